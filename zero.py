@@ -1,0 +1,467 @@
+"""ZeRO-DP in one file: stages 0-3 of "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models" (Rajbhandari, Rasley, Ruwase, He; SC 2020), on torch.distributed.
+
+    import zero
+    model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=2, lr=3e-4, weight_decay=0.1)
+    loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
+    state = zero.full_state_dict(model)   # {name: full fp32 tensor}, identical on every rank
+
+    stage 0  baseline data parallelism: everything replicated           (4 + 4 + K)Ψ per rank
+    stage 1  P_os:     optimizer states partitioned                     4Ψ + 4Ψ + KΨ/Nd
+    stage 2  P_os+g:   ... and gradients                                4Ψ + (4 + K)Ψ/Nd
+    stage 3  P_os+g+p: ... and parameters                               (4 + 4 + K)Ψ/Nd
+    (fp32 parameters and gradients here; the paper's 2Ψ terms are its fp16 copies)
+
+Every stage gives the same bits as torch's DistributedDataParallel: gradients are summed in
+rank order, ((g_0 + g_1) + g_2) + ..., then divided by Nd, whatever the bucket sizes or the
+stage (test_zero.py proves it). Run the tests with `python -m pytest -n 2 test_zero.py`.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+# Optimizers whose update of an element reads only that element's parameter, gradient and
+# state: sharding them across ranks gives the same bits as running them whole. (Not so LBFGS,
+# SparseAdam, Adafactor or Muon, whose updates mix elements.)
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                          torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                          torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
+
+DEFAULT_BUCKET_NUMEL = 2**22  # elements per gradient bucket (16 MB in fp32)
+
+
+def _overlap(a, b, c, d):
+    """Length of the intersection of the ranges [a, b) and [c, d)."""
+    return max(0, min(b, d) - max(a, c))
+
+
+class ZeroOptimizer:
+    """The optimizer a user steps, and the ZeRO-DP machinery behind it, for one module.
+
+    The paper's state lives here: the flat parameter space and its partition (Section 5), this
+    rank's optimizer over its partition (5.1, P_os), the gradient buckets reduced in backward
+    (5.2, P_os+g) and the parameter gathers around each module (5.3, P_os+g+p).
+    """
+
+    # -------------------------------------------------------------------------------------
+    # Section 5 -- one flat parameter space, partitioned evenly across the Nd ranks.
+    # Parameters are laid end to end (trainable ones first, in module order; a tied weight
+    # once); the space is padded to a multiple of Nd and rank r owns elements
+    # [r * shard_numel, (r + 1) * shard_numel). A parameter may straddle two ranks.
+    # -------------------------------------------------------------------------------------
+    def __init__(self, module, optimizer_class, stage, group, param_groups, bucket_numel, optimizer_kwargs):
+        self.module, self.stage, self.group = module, stage, group
+        self.nd, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        params = list(module.parameters())  # unique: a tied weight is listed once
+        self.params = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
+        self.n_trainable = sum(p.requires_grad for p in params)
+        self.index = {p: i for i, p in enumerate(self.params)}
+        self.offsets = [0]
+        for p in self.params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.psi = self.offsets[-1]  # Ψ
+        self.psi_trainable = self.offsets[self.n_trainable]
+        self.shard_numel = math.ceil(self.psi / self.nd)
+        self.padded_numel = self.shard_numel * self.nd
+        self.lo, self.hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        p0 = self.params[0]
+        self.dtype, self.device = p0.dtype, p0.device
+
+        # Every rank starts from rank 0's weights, as DDP does.
+        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        for i, p in enumerate(self.params):
+            flat[self.offsets[i]:self.offsets[i + 1]].copy_(p.detach().view(-1))
+        dist.broadcast(flat, group_src=0, group=group)  # (padded_numel,) from rank 0
+        if stage < 3:
+            # Stages 0-2 keep every parameter: each is a view into one flat buffer.
+            self.flat_param = flat
+            for i, p in enumerate(self.params):
+                p.data = flat[self.offsets[i]:self.offsets[i + 1]].view_as(p)
+            param_src, param_base = flat, 0
+        else:
+            # Stage 3 keeps only this rank's shard; each parameter gets a storage of its own,
+            # empty between uses (Section 5.3).
+            self.param_shard = flat[self.lo:self.hi].clone()  # (shard_numel,)
+            for p in self.params:
+                p.data = torch.empty_like(p)
+                self._free(p)
+            self.refcount = [0] * len(self.params)
+            param_src, param_base = self.param_shard, self.lo
+            del flat
+
+        # ---------------------------------------------------------------------------------
+        # Section 5.1 -- P_os: the optimizer updates only this rank's partition.
+        # The user's optimizer class runs over "pieces": the part of each trainable parameter
+        # that falls inside the owned range, as 1-D views into the flat storage. Stage 0 owns
+        # the whole space (every rank updates everything: the baseline).
+        # Per-rank optimizer states: KΨ/Nd.
+        # ---------------------------------------------------------------------------------
+        own_lo, own_hi = (0, self.psi_trainable) if stage == 0 else (self.lo, min(self.hi, self.psi_trainable))
+        self.pieces = []  # (piece, parameter index, flat start, flat end)
+        for i in range(self.n_trainable):
+            a, b = max(self.offsets[i], own_lo), min(self.offsets[i + 1], own_hi)
+            if a < b:
+                self.pieces.append((param_src[a - param_base:b - param_base], i, a, b))
+        groups = param_groups if param_groups is not None else [{"params": list(module.parameters())}]
+        piece_groups = []
+        for g in groups:
+            members = {self.index[p] for p in g["params"]}
+            piece_groups.append({**{k: v for k, v in g.items() if k != "params"},
+                                 "params": [piece for piece, i, a, b in self.pieces if i in members]})
+        self.optim = optimizer_class(piece_groups, **optimizer_kwargs)
+
+        # ---------------------------------------------------------------------------------
+        # Section 5.2 -- P_os+g: gradient buckets, reduced during backward.
+        # The trainable part of the flat space, [0, psi_trainable), is cut into buckets of
+        # bucket_numel elements. A bucket is reduced once every parameter in it has its
+        # gradient; buckets are reduced last to first (the order backward produces them), the
+        # same order on every rank. Stages 0-1 keep a full gradient buffer (4Ψ); stages 2-3
+        # keep only the reduced shard (4Ψ/Nd) and a bucket's buffer lives only until it is
+        # reduced.
+        # ---------------------------------------------------------------------------------
+        self.bucket_numel = bucket_numel
+        self.n_buckets = math.ceil(self.psi_trainable / bucket_numel)
+        self.buckets_of = [range(self.offsets[i] // bucket_numel, (self.offsets[i + 1] - 1) // bucket_numel + 1)
+                           if self.params[i].numel() else range(0) for i in range(self.n_trainable)]
+        if stage < 2:
+            self.flat_grad = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+            self.grad_shard = self.flat_grad[self.lo:self.hi]  # this rank's reduced slice, in place
+        else:
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        grad_src, grad_base = (self.flat_grad, 0) if stage == 0 else (self.grad_shard, self.lo)
+        self.piece_grads = [grad_src[a - grad_base:b - grad_base] for piece, i, a, b in self.pieces]
+        for i in range(self.n_trainable):
+            self.params[i].register_post_accumulate_grad_hook(self._grad_ready)
+
+        if stage == 3:
+            self._install_gather_hooks()
+        self.buffers = [b for b in module.buffers()]
+        if self.buffers and self.nd > 1:
+            module.register_forward_pre_hook(self._broadcast_buffers)
+        self.zero_grad()
+
+    # -------------------------------------------------------------------------------------
+    # Section 5.2 (cont.) -- the reduction, in rank order.
+    # A bucket [a, b) holds for each rank j the part that falls in j's shard. all_to_all
+    # sends rank j its part from every rank; each rank then folds what it received in rank
+    # order, ((g_0 + g_1) + g_2) + ..., and divides by Nd: a reduce-scatter whose bits do not
+    # depend on bucket sizes, padding or stage. Each rank sends (Nd-1)/Nd of the bucket, as
+    # in a ring reduce-scatter: Ψ over all buckets (Section 7.1).
+    # -------------------------------------------------------------------------------------
+    def _reduce_bucket(self, k):
+        a, b = k * self.bucket_numel, min((k + 1) * self.bucket_numel, self.psi_trainable)
+        bucket = self.flat_grad[a:b] if self.stage < 2 else self.bucket_bufs.pop(k, None)
+        if bucket is None:  # no gradient of this bucket arrived on this rank
+            bucket = torch.zeros(b - a, dtype=self.dtype, device=self.device)
+        splits = [_overlap(a, b, j * self.shard_numel, (j + 1) * self.shard_numel) for j in range(self.nd)]
+        mine = splits[self.rank]
+        received = bucket.new_empty(self.nd * mine)
+        # all-to-all: bucket (b - a,) split by owner -> received (nd * mine,), row j from rank j
+        dist.all_to_all_single(received, bucket, [mine] * self.nd, splits, group=self.group)
+        received = received.view(self.nd, mine)
+        start = max(a, self.lo) - self.lo
+        out = self.grad_shard[start:start + mine]
+        out.copy_(received[0])
+        for j in range(1, self.nd):
+            out.add_(received[j])
+        out.div_(self.nd)
+
+    def _grad_ready(self, p):
+        """Post-accumulate-grad hook: p's gradient for this backward is complete."""
+        self._begin_backward()
+        i = self.index[p]
+        self.used[i] = True
+        a, n = self.offsets[i], p.numel()
+        grad = p.grad.view(-1)
+        if self.stage < 2:
+            home = self.flat_grad[a:a + n]
+            if grad.data_ptr() != home.data_ptr():
+                home.copy_(grad)
+                p.grad = home.view_as(p)  # later micro-batches accumulate in place
+        else:
+            for k in self.buckets_of[i]:
+                ka, kb = k * self.bucket_numel, min((k + 1) * self.bucket_numel, self.psi_trainable)
+                if k not in self.bucket_bufs:
+                    self.bucket_bufs[k] = torch.zeros(kb - ka, dtype=self.dtype, device=self.device)
+                lo, hi = max(a, ka), min(a + n, kb)
+                self.bucket_bufs[k][lo - ka:hi - ka].copy_(grad[lo - a:hi - a])
+            p.grad = None  # the full gradient is released: only the shard stays (4Ψ/Nd)
+            if self.stage == 3:
+                self._free(p)
+        for k in self.buckets_of[i]:
+            self.pending[k] -= 1
+        self._reduce_ready_buckets()
+
+    def _reduce_ready_buckets(self):
+        while self.next_bucket >= 0 and self.pending[self.next_bucket] == 0:
+            self._reduce_bucket(self.next_bucket)
+            self.next_bucket -= 1
+
+    def _begin_backward(self):
+        if self.grads_reduced:
+            raise RuntimeError("a second backward before optimizer.step(): call optimizer.zero_grad() "
+                               "after each step (accumulation over micro-batches is not supported yet)")
+        if not self.callback_queued:
+            Variable._execution_engine.queue_callback(self._finish_backward)
+            self.callback_queued = True
+
+    def _finish_backward(self):
+        """End of backward: reduce what is left, agree on which parameters were used."""
+        if self.grads_reduced:
+            return
+        for i in range(self.n_trainable):
+            if not self.used[i]:  # unused on this rank: it contributes zeros, as in DDP
+                if self.stage < 2:
+                    self.flat_grad[self.offsets[i]:self.offsets[i + 1]].zero_()
+                for k in self.buckets_of[i]:
+                    self.pending[k] -= 1
+        self._reduce_ready_buckets()
+        # A parameter unused on every rank keeps no gradient (the optimizer skips it, as with
+        # DDP's find_unused_parameters=True); one used anywhere gets the average.
+        used = torch.tensor(self.used, dtype=torch.int32, device=self.device)
+        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)  # (n_trainable,) flags
+        self.used_anywhere = used.bool().tolist()
+        if self.stage == 0:
+            # all-reduce = reduce-scatter + all-gather: each rank sends its reduced shard (Ψ/Nd)
+            dist.all_gather_single(self.flat_grad, self.grad_shard, group=self.group)  # (padded_numel,)
+            for i in range(self.n_trainable):
+                self.params[i].grad = (self.flat_grad[self.offsets[i]:self.offsets[i + 1]].view_as(self.params[i])
+                                       if self.used_anywhere[i] else None)
+        if self.stage == 3:
+            for p in self.params:
+                self._free(p)
+        self.grads_reduced = True
+
+    # -------------------------------------------------------------------------------------
+    # Section 5.3 -- P_os+g+p: parameters exist in full only while a module uses them.
+    # Before a module's forward, and again before its backward, the owners of its
+    # parameters broadcast their parts (Section 7.2.2); after the forward, and once each
+    # parameter's gradient is complete in backward, the full copy is freed. Every rank must
+    # run the same modules in the same order (as with FSDP and DeepSpeed ZeRO-3).
+    # Per-rank model states: (4 + 4 + K)Ψ/Nd.
+    # -------------------------------------------------------------------------------------
+    @staticmethod
+    def _free(p):
+        p.untyped_storage().resize_(0)
+
+    def _gather(self, params):
+        todo = [p for p in params if p.numel() and p.untyped_storage().nbytes() == 0]
+        for p in todo:
+            p.untyped_storage().resize_(p.numel() * p.element_size())
+        for j in range(self.nd):  # each owner broadcasts its part of these parameters
+            j_lo, j_hi = j * self.shard_numel, (j + 1) * self.shard_numel
+            parts = [(p, max(self.offsets[self.index[p]], j_lo), min(self.offsets[self.index[p] + 1], j_hi))
+                     for p in todo]
+            parts = [(p, a, b) for p, a, b in parts if a < b]
+            if not parts:
+                continue
+            if j == self.rank:
+                buf = torch.cat([self.param_shard[a - self.lo:b - self.lo] for p, a, b in parts])
+            else:
+                buf = torch.empty(sum(b - a for p, a, b in parts), dtype=self.dtype, device=self.device)
+            dist.broadcast(buf, group_src=j, group=self.group)  # owner j's parts (sum of lengths,)
+            at = 0
+            for p, a, b in parts:
+                start = a - self.offsets[self.index[p]]
+                # .data: writing the parameter's storage must not look like an in-place change
+                # to the autograd graph that saved it
+                p.data.view(-1)[start:start + b - a].copy_(buf[at:at + b - a])
+                at += b - a
+
+    def _install_gather_hooks(self):
+        for m in self.module.modules():
+            own = list(m.parameters(recurse=False))
+            if own:
+                m.register_forward_pre_hook(lambda mod, args, own=own: self._pre_forward(own))
+                m.register_forward_hook(lambda mod, args, out, own=own: self._post_forward(own, out))
+
+    def _pre_forward(self, own):
+        self._gather(own)
+        for p in own:
+            self.refcount[self.index[p]] += 1
+
+    def _post_forward(self, own, out):
+        for p in own:
+            self.refcount[self.index[p]] -= 1
+            if self.refcount[self.index[p]] == 0:
+                self._free(p)
+        if torch.is_grad_enabled():  # gather again when backward reaches this module
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, own=own: self._pre_backward(own))
+
+    def _pre_backward(self, own):
+        self._begin_backward()
+        self._gather(own)
+
+    # -------------------------------------------------------------------------------------
+    # Buffers follow rank 0 at every training forward, as in DDP (broadcast_buffers=True).
+    # -------------------------------------------------------------------------------------
+    def _broadcast_buffers(self, module, args):
+        if torch.is_grad_enabled():
+            for b in self.buffers:
+                dist.broadcast(b, group_src=0, group=self.group)
+
+    # -------------------------------------------------------------------------------------
+    # The step: update this rank's partition, then make the parameters whole again.
+    # -------------------------------------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    def step(self):
+        self._finish_backward()  # no-op when backward already did it
+        for (piece, i, a, b), grad in zip(self.pieces, self.piece_grads):
+            piece.grad = grad if self.used_anywhere[i] else None
+        self.optim.step()
+        if self.stage in (1, 2):
+            # all-gather: each rank sends its updated shard (Ψ/Nd) -> flat_param (padded_numel,)
+            dist.all_gather_single(self.flat_param, self.flat_param[self.lo:self.hi], group=self.group)
+        # stage 3: nothing to gather now; the next forward gathers what it uses
+
+    def zero_grad(self, set_to_none=True):
+        if not set_to_none:
+            raise ValueError("zero_grad(set_to_none=False) is not supported: gradients are always released")
+        for p in self.params:
+            p.grad = None
+        for piece, i, a, b in self.pieces:
+            piece.grad = None
+        self.used = [False] * self.n_trainable  # this rank's gradient arrived, this backward
+        self.pending = [0] * self.n_buckets
+        for i in range(self.n_trainable):
+            for k in self.buckets_of[i]:
+                self.pending[k] += 1
+        self.bucket_bufs = {}
+        self.next_bucket = self.n_buckets - 1
+        self.callback_queued = self.grads_reduced = False
+
+    # -------------------------------------------------------------------------------------
+    # Full tensors for checkpoints and tests (gathered; not on the training path).
+    # -------------------------------------------------------------------------------------
+    def _full_flat(self, shard):
+        """A (padded_numel,) tensor from each rank's (shard_numel,) part."""
+        full = shard.new_empty(self.padded_numel)
+        dist.all_gather_single(full, shard, group=self.group)
+        return full
+
+    def full_state_dict(self):
+        flat = self.flat_param if self.stage < 3 else self._full_flat(self.param_shard)
+        state = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if t in self.index:
+                i = self.index[t]
+                value = flat[self.offsets[i]:self.offsets[i + 1]].view_as(t).clone()
+            else:  # a buffer: rank 0's, as the next forward would see it
+                value = t.detach().clone()
+                dist.broadcast(value, group_src=0, group=self.group)
+            state[name] = value.float() if value.is_floating_point() else value
+        return state
+
+    def full_optimizer_state(self):
+        """{parameter name: {state key: full tensor}}, as the optimizer would hold it whole."""
+        shape_of = {}  # per parameter: state key -> "elementwise" or the scalar state's value
+        for (piece, i, a, b) in self.pieces:
+            for key, v in self.optim.state.get(piece, {}).items():
+                elementwise = torch.is_tensor(v) and v.shape == piece.shape
+                shape_of.setdefault(i, {})[key] = "elementwise" if elementwise else v
+        everyone = [None] * self.nd
+        dist.all_gather_object(everyone, shape_of, group=self.group)
+        merged = {}
+        for d in everyone:
+            for i, keys in d.items():
+                merged.setdefault(i, {}).update(keys)
+        keys = sorted({k for d in merged.values() for k, v in d.items() if isinstance(v, str)})
+        full = {}
+        for key in keys:  # one (padded_numel,) gather per elementwise state
+            base = 0 if self.stage == 0 else self.lo
+            part = torch.zeros(self.padded_numel if self.stage == 0 else self.shard_numel, device=self.device)
+            for (piece, i, a, b) in self.pieces:
+                if key in self.optim.state.get(piece, {}):
+                    part[a - base:b - base] = self.optim.state[piece][key]
+            full[key] = part if self.stage == 0 else self._full_flat(part)
+        names = {p: n for n, p in self.module.named_parameters()}
+        result = {}
+        for i, keys_i in sorted(merged.items()):
+            p = self.params[i]
+            result[names[p]] = {k: (full[k][self.offsets[i]:self.offsets[i + 1]].view_as(p).clone()
+                                    if isinstance(v, str) else v) for k, v in keys_i.items()}
+        return result
+
+
+# -----------------------------------------------------------------------------------------
+# Entry points
+# -----------------------------------------------------------------------------------------
+def initialize(module, optimizer_class, stage, group=None, param_groups=None,
+               bucket_numel=DEFAULT_BUCKET_NUMEL, **optimizer_kwargs):
+    """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world).
+
+    Returns (module, optimizer): the same module, now sharded and hooked, and the optimizer
+    to step. `optimizer_class` is a torch.optim class (not an instance) and its arguments come
+    as keywords; `param_groups` is an optional list of {"params": [...], **options} over the
+    module's parameters, as torch.optim takes it. Every rank starts from rank 0's weights.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("zero.initialize needs a process group: call torch.distributed.init_process_group"
+                           "('gloo' on CPU, 'nccl' on GPU) first, or run under torchrun")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3 (got {stage!r})")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None for the world "
+                        f"(got {type(group).__name__}); make one with dist.new_group(ranks) or a DeviceMesh")
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module (got {type(module).__name__})")
+    if isinstance(optimizer_class, torch.optim.Optimizer):
+        raise TypeError(f"pass the optimizer class, not an instance: zero.initialize(module, "
+                        f"torch.optim.{type(optimizer_class).__name__}, stage=..., lr=...) and its "
+                        f"arguments as keywords")
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE_OPTIMIZERS)):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise ValueError(f"{getattr(optimizer_class, '__name__', optimizer_class)} cannot be sharded exactly: "
+                         f"ZeRO splits the update across ranks, which is exact only for elementwise "
+                         f"optimizers ({names})")
+    if optimizer_kwargs.get("fused"):
+        raise ValueError("fused=True optimizers are not layout invariant (a shard updates to other bits "
+                         "than the whole tensor): use fused=False, or foreach=True for speed")
+    params = list(module.parameters())
+    if not params:
+        raise ValueError("module has no parameters to shard")
+    for name, p in module.named_parameters():
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {name} has dtype {p.dtype}: ZeRO shards floating-point parameters "
+                            f"only; register it as a buffer instead")
+        if p.dtype != params[0].dtype or p.device != params[0].device:
+            raise ValueError(f"parameter {name} is {p.dtype} on {p.device} but others are {params[0].dtype} "
+                             f"on {params[0].device}: move the module to one dtype and device first")
+    if param_groups is not None:
+        listed = [p for g in param_groups for p in g["params"]]
+        if len(listed) != len(set(listed)) or set(listed) - set(params):
+            raise ValueError("param_groups must hold only this module's parameters, each at most once")
+        missing = [n for n, p in module.named_parameters() if p.requires_grad and p not in set(listed)]
+        if missing:
+            raise ValueError(f"param_groups leaves out trainable parameters {missing}: add them to a group")
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be at least 1 (got {bucket_numel})")
+    optimizer = ZeroOptimizer(module, optimizer_class, stage, group, param_groups, bucket_numel, optimizer_kwargs)
+    module._zero = optimizer
+    return module, optimizer
+
+
+def _engine(module):
+    if not isinstance(getattr(module, "_zero", None), ZeroOptimizer):
+        raise ValueError("this module was not returned by zero.initialize")
+    return module._zero
+
+
+def full_state_dict(module):
+    """{name: full tensor} for every parameter and buffer (floating point as fp32), the same keys
+    as module.state_dict(), identical on every rank. A collective: call it on every rank."""
+    return _engine(module).full_state_dict()
+
+
+def full_optimizer_state(module):
+    """{parameter name: {state key: full tensor}}: the optimizer state as one unsharded optimizer
+    would hold it. A collective: call it on every rank."""
+    return _engine(module).full_optimizer_state()
