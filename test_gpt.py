@@ -1,0 +1,375 @@
+"""Tests for gpt.py: Megatron's parallel layers against torch's own, and the tp=T GPT against tp=1.
+
+    .venv/bin/python -m pytest -q test_gpt.py
+
+A test at tp=T runs its rank function on the T ranks of conftest's world(T); at tp=1 it runs here,
+with no process group at all. Every rank draws the same full tensors from the same seed, so
+the reference (nn.Linear, nn.Embedding, F.cross_entropy, the tp=1 GPT) is computed on every rank
+and each rank checks its own slice.
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gpt import (GPT, PRESETS, ColumnParallelLinear, GPTConfig, RowParallelLinear,
+                 VocabParallelEmbedding, load_full_, make_mesh, num_params, vocab_parallel_cross_entropy)
+
+
+def _tp(n, *more):
+    """A parameter set for tp=n; at n > 1 it runs in world(n), one xdist worker per world size."""
+    marks = [pytest.mark.xdist_group(f"world{n}")] if n > 1 else []
+    return pytest.param(n, *more, id=f"tp{n}" + (f"-{more[0].__name__.strip('_')}" if more else ""), marks=marks)
+
+
+TP_SIZES = [_tp(1), _tp(2), _tp(4)]
+
+
+def _on_ranks(world, tp, fn, *args):
+    """fn(tp, *args) on every rank of world(tp), or here with no process group at tp=1."""
+    return [fn(tp, *args)] if tp == 1 else world(tp).run(fn, tp, *args)
+
+
+def _group_and_rank(tp):
+    return (None, 0) if tp == 1 else (dist.group.WORLD, dist.get_rank())
+
+
+def _check(ok, what, got, expected):
+    if not ok:
+        diff = (got.double() - expected.double()).abs().max().item()
+        raise AssertionError(f"rank {dist.get_rank() if dist.is_initialized() else 0}: {what} "
+                             f"differs, max |diff| = {diff:.3g}")
+
+
+def _equal(what, got, expected):
+    _check(torch.equal(got, expected), what, got, expected)
+
+
+def _close(what, got, expected, rtol, atol):
+    _check(torch.allclose(got, expected, rtol=rtol, atol=atol), what, got, expected)
+
+
+# ---------------------------------------------------------------------------
+# ColumnParallelLinear and RowParallelLinear against nn.Linear holding the full weight
+# ---------------------------------------------------------------------------
+
+def _linear_case(in_features, out_features):
+    torch.manual_seed(0)  # the same full layer, input and output gradient on every rank
+    full = nn.Linear(in_features, out_features)
+    x = torch.randn(2, 8, in_features, requires_grad=True)
+    dy = torch.randn(2, 8, out_features)
+    y = full(x)
+    y.backward(dy)
+    return full, x, y, dy
+
+
+def _column_parallel_matches_linear(tp):
+    group, r = _group_and_rank(tp)
+    full, x, y, dy = _linear_case(64, 96)
+    col = ColumnParallelLinear(64, 96, group)
+    load_full_(col.weight, full.weight.detach(), group)
+    load_full_(col.bias, full.bias.detach(), group)
+    x_r = x.detach().clone().requires_grad_()
+    y_r = col(x_r)                                             # (2, 8, 96/tp), left split
+    y_r.backward(dy.chunk(tp, -1)[r].contiguous())
+    # output column j is the same dot product over all 64 inputs as in the full layer
+    _equal("output", y_r, y.chunk(tp, -1)[r])
+    _equal("weight grad", col.weight.grad, full.weight.grad.chunk(tp, 0)[r])
+    # dX = sum over tp ranks of dY_r A_r (f's all-reduce): the 96-term sum is split into tp partial
+    # sums added in another order, so it agrees to rounding: |dX| <= 2.7, ulp 2.4e-7, seen 4 ulp
+    if tp == 1:
+        _equal("input grad", x_r.grad, x.grad)
+        _equal("bias grad", col.bias.grad, full.bias.grad)
+    else:
+        _close("input grad", x_r.grad, x.grad, rtol=0, atol=2e-6)
+        # the bias grad sums dY over 16 tokens per column, but torch's column-sum kernel vectorises
+        # by the row width (96/tp here, 96 in nn.Linear): |db| <= 12, ulp 9.5e-7, seen 1.5 ulp
+        _close("bias grad", col.bias.grad, full.bias.grad.chunk(tp, 0)[r], rtol=0, atol=2e-6)
+
+
+def _row_parallel_matches_linear(tp):
+    group, r = _group_and_rank(tp)
+    full, x, y, dy = _linear_case(96, 64)
+    row = RowParallelLinear(96, 64, group)
+    load_full_(row.weight, full.weight.detach(), group)
+    load_full_(row.bias, full.bias.detach(), group)
+    x_r = x.detach().chunk(tp, -1)[r].clone().requires_grad_()  # the input arrives split
+    y_full = row(x_r)                                           # (2, 8, 64) on every rank
+    y_full.backward(dy)
+    # the forward's 96-term dot product is split into tp partial sums added by g's all-reduce:
+    # |y| <= 2.5, ulp 2.4e-7, seen 4 ulp. At tp=1 it is the same arithmetic as nn.Linear
+    if tp == 1:
+        _equal("output", y_full, y)
+    else:
+        _close("output", y_full, y, rtol=0, atol=2e-6)
+    _equal("weight grad", row.weight.grad, full.weight.grad.chunk(tp, 1)[r])
+    _equal("bias grad", row.bias.grad, full.bias.grad)
+    _equal("input grad", x_r.grad, x.grad.chunk(tp, -1)[r])
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_column_parallel_linear_matches_nn_linear(world, tp):
+    _on_ranks(world, tp, _column_parallel_matches_linear)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_row_parallel_linear_matches_nn_linear(world, tp):
+    _on_ranks(world, tp, _row_parallel_matches_linear)
+
+
+# ---------------------------------------------------------------------------
+# VocabParallelEmbedding and the vocab-parallel cross entropy
+# ---------------------------------------------------------------------------
+
+def _vocab_parallel_embedding_matches_embedding(tp):
+    group, r = _group_and_rank(tp)
+    torch.manual_seed(0)
+    full = nn.Embedding(64, 16)
+    idx = torch.randint(0, 64, (4, 10))
+    dy = torch.randn(4, 10, 16)
+    y = full(idx)
+    y.backward(dy)
+    emb = VocabParallelEmbedding(64, 16, group)
+    load_full_(emb.weight, full.weight.detach(), group)
+    y_r = emb(idx)
+    y_r.backward(dy)
+    # one rank holds each row and the others add exact zeros: no rounding anywhere
+    _equal("embedding", y_r, y)
+    _equal("weight grad", emb.weight.grad, full.weight.grad.chunk(tp, 0)[r])
+
+
+def _vocab_parallel_cross_entropy_matches_torch(tp):
+    group, r = _group_and_rank(tp)
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(40, 64)).requires_grad_()        # (N, V), roomy spread of logits
+    target = torch.randint(0, 64, (40,))
+    target[::7] = -1                                           # ignored positions
+    loss = F.cross_entropy(logits, target, ignore_index=-1)
+    loss.backward()
+    logits_r = logits.detach().chunk(tp, -1)[r].clone().requires_grad_()  # (N, V/tp)
+    loss_r = vocab_parallel_cross_entropy(logits_r, target, r * 64 // tp, group)
+    loss_r.backward()
+    # the sum of exp over V runs in tp partial sums, and even at tp=1 in another order than torch's
+    # log_softmax kernel: loss ~8.4, seen 1 ulp (1.1e-7 relative); |grad| <= 0.03, seen 4 ulp
+    _close("loss", loss_r, loss, rtol=3e-7, atol=0)
+    _close("logits grad", logits_r.grad, logits.grad.chunk(tp, -1)[r], rtol=0, atol=1.5e-8)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_vocab_parallel_embedding_matches_nn_embedding(world, tp):
+    _on_ranks(world, tp, _vocab_parallel_embedding_matches_embedding)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(world, tp):
+    _on_ranks(world, tp, _vocab_parallel_cross_entropy_matches_torch)
+
+
+# ---------------------------------------------------------------------------
+# The whole GPT at tp = 2 and 4 against the tp=1 GPT with the same seed
+# ---------------------------------------------------------------------------
+
+def _expected_slice(name, full, tp, r):
+    """This rank's slice of a tp=1 tensor, by Megatron's layout (written out here, not imported)."""
+    if name == "wte.weight" or ".mlp.c_fc." in name:
+        return full.chunk(tp, 0)[r]                                      # rows: vocab / MLP features
+    if ".attn.c_attn." in name:
+        q, k, v = full.chunk(3, 0)                                       # whole heads of q, k and v
+        return torch.cat([q.chunk(tp, 0)[r], k.chunk(tp, 0)[r], v.chunk(tp, 0)[r]], 0)
+    if name.endswith("c_proj.weight"):
+        return full.chunk(tp, 1)[r]                                      # input columns
+    return full                                                          # replicated
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 256, (2, 32), generator=gen)
+    targets = torch.randint(0, 256, (2, 32), generator=gen)
+    return idx, targets
+
+
+def _gpt_weights_are_slices_of_tp1(tp):
+    group, r = _group_and_rank(tp)
+    ref, model = GPT(PRESETS["tiny"], seed=3), GPT(PRESETS["tiny"], tp_group=group, seed=3)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        _equal(name, p, _expected_slice(name, ref_params[name].detach(), tp, r))
+
+
+def _gpt_loss_and_grads_match_tp1(tp, bias):
+    group, r = _group_and_rank(tp)
+    config = GPTConfig(n_layer=4, n_head=4, n_embd=128, bias=bias)
+    ref, model = GPT(config), GPT(config, tp_group=group)
+    idx, targets = _batch()
+    _, ref_loss = ref(idx, targets)
+    ref_loss.backward()
+    _, loss = model(idx, targets)
+    loss.backward()
+    # every all-reduce (g after each RowParallelLinear, f's in backward, the cross entropy's sums)
+    # splits a sum into tp partial sums, so tp=T agrees with tp=1 to fp32 rounding: loss ~5.6,
+    # seen 2 ulp; the largest gradients are ~0.25 (ulp 3e-8), seen 1.4e-7 off
+    _close("loss", loss, ref_loss, rtol=3e-7, atol=0)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        _close(f"{name}.grad", p.grad, _expected_slice(name, ref_params[name].grad, tp, r), rtol=0, atol=3e-7)
+    return {name: p.grad for name, p in model.named_parameters() if not hasattr(p, "tensor_model_parallel")}
+
+
+def _gpt_generates(tp):
+    group, _ = _group_and_rank(tp)
+    model = GPT(PRESETS["tiny"], tp_group=group)
+    prompt = torch.tensor([[72, 101, 108, 108, 111]])  # "Hello"
+    greedy = model.generate(prompt, 8, temperature=0)
+    sampled = model.generate(prompt, 8, top_k=20, generator=torch.Generator().manual_seed(0))
+    return greedy, sampled
+
+
+@pytest.mark.parametrize("tp", TP_SIZES[1:])
+def test_gpt_weights_at_tp_are_slices_of_the_tp1_weights(world, tp):
+    _on_ranks(world, tp, _gpt_weights_are_slices_of_tp1)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("tp", TP_SIZES[1:])
+def test_gpt_loss_and_grads_at_tp_match_tp1(world, tp, bias):
+    replicated_grads = _on_ranks(world, tp, _gpt_loss_and_grads_match_tp1, bias)
+    # LayerNorms, positions and row biases see the same bits on every rank: they stay in step
+    for r, grads in enumerate(replicated_grads[1:], start=1):
+        for name, grad in grads.items():
+            assert torch.equal(grad, replicated_grads[0][name]), f"{name}.grad differs on tp rank {r}"
+
+
+@pytest.mark.parametrize("tp", TP_SIZES[1:])
+def test_gpt_generates_the_same_tokens_on_every_tp_rank_as_tp1(world, tp):
+    ref_greedy, _ = _gpt_generates(1)
+    results = _on_ranks(world, tp, _gpt_generates)
+    for r, (greedy, sampled) in enumerate(results):
+        assert torch.equal(greedy, ref_greedy), f"rank {r} greedy {greedy.tolist()} vs tp=1 {ref_greedy.tolist()}"
+        assert torch.equal(sampled, results[0][1]), f"rank {r} sampled {sampled.tolist()} vs rank 0"
+
+
+# ---------------------------------------------------------------------------
+# One process, meta builds and parameter counts
+# ---------------------------------------------------------------------------
+
+def test_tp1_gpt_runs_without_a_process_group():
+    assert not dist.is_initialized()
+    model = GPT(PRESETS["tiny"])
+    idx, targets = _batch()
+    logits, loss = model(idx, targets)
+    loss.backward()
+    assert logits.shape == (2, 32, 256)
+    # GPT-2's init gives near-uniform predictions: loss ~ ln V
+    assert abs(loss.item() - math.log(256)) < 0.1, f"initial loss {loss.item():.3f}, expected ~ln 256 = 5.545"
+    assert all(p.grad is not None for p in model.parameters())
+    assert model.generate(idx[:1, :5], 4, top_k=5).shape == (1, 9)
+
+
+def test_tp1_gpt_is_causal():
+    model = GPT(PRESETS["tiny"])
+    idx, _ = _batch()
+    changed = idx.clone()
+    changed[:, 20:] = (changed[:, 20:] + 1) % 256
+    with torch.no_grad():
+        before, after = model(idx, idx)[0], model(changed, idx)[0]
+    assert torch.equal(before[:, :20], after[:, :20]), "a later token changed an earlier position's logits"
+    assert not torch.equal(before[:, 20:], after[:, 20:])
+
+
+def test_meta_build_of_7_5b_allocates_nothing():
+    model = GPT(PRESETS["7.5b"], device="meta")
+    assert all(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_num_params_equals_the_built_model(preset):
+    model = GPT(PRESETS[preset], device="meta")
+    assert num_params(PRESETS[preset]) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("preset, psi", [("gpt2-1.5b", 1.5e9), ("7.5b", 7.5e9), ("128b", 128e9), ("1t", 1e12)])
+def test_presets_have_the_paper_sizes_within_4_percent(preset, psi):
+    # independent of num_params: 12 L C^2 (blocks) + V C (embedding), the usual estimate
+    c = PRESETS[preset]
+    assert abs(12 * c.n_layer * c.n_embd ** 2 + c.vocab_size * c.n_embd - psi) / psi < 0.04
+    assert abs(num_params(c) - psi) / psi < 0.04
+
+
+def _params_per_rank(tp, config):
+    group, _ = _group_and_rank(tp)
+    return sum(p.numel() for p in GPT(config, tp_group=group, device="meta").parameters())
+
+
+@pytest.mark.parametrize("tp", TP_SIZES[1:])
+def test_num_params_per_tp_rank_equals_the_built_model(world, tp):
+    for config in (PRESETS["tiny"], GPTConfig(n_layer=2, n_embd=64, bias=False)):
+        assert _on_ranks(world, tp, _params_per_rank, config) == [num_params(config, tp)] * tp
+
+
+def _mesh_ranks(tp):
+    dp_group, tp_group = make_mesh(dp=2, tp=2)
+    return dist.get_process_group_ranks(dp_group), dist.get_process_group_ranks(tp_group)
+
+
+@pytest.mark.xdist_group("world4")
+def test_make_mesh_puts_tp_groups_on_consecutive_ranks(world):
+    got = world(4).run(_mesh_ranks, 4)
+    assert got == [([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]), ([1, 3], [2, 3])]
+
+
+# ---------------------------------------------------------------------------
+# Bad input: a ValueError that names the fix and the value seen
+# ---------------------------------------------------------------------------
+
+def _value_error(tp, build):
+    group, _ = _group_and_rank(tp)
+    try:
+        build(group)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _gpt_n_head_6(group):
+    GPT(GPTConfig(n_head=6, n_embd=384), tp_group=group, device="meta")
+
+
+def _gpt_vocab_50257(group):
+    GPT(GPTConfig(vocab_size=50257), tp_group=group, device="meta")
+
+
+def _gpt_n_embd_100_n_head_3(group):
+    GPT(GPTConfig(n_head=3, n_embd=100), tp_group=group, device="meta")
+
+
+def _column_out_6(group):
+    ColumnParallelLinear(8, 6, group)
+
+
+def _row_in_6(group):
+    RowParallelLinear(6, 8, group)
+
+
+def _gpt_too_long(group):
+    GPT(PRESETS["tiny"], tp_group=group)(torch.zeros(1, 129, dtype=torch.long))
+
+
+def _gpt_sample_without_generator(group):
+    GPT(PRESETS["tiny"], tp_group=group).generate(torch.zeros(1, 1, dtype=torch.long), 1)
+
+
+@pytest.mark.parametrize("tp, build, message", [
+    _tp(1, _gpt_n_embd_100_n_head_3, "n_embd=100 is not divisible by n_head=3: choose n_head in {1, 2, 4, 5, 10, 20, 25, 50, 100}"),
+    _tp(1, _gpt_too_long, "sequence length T=129 exceeds block_size=128: crop the input to its last 128 tokens"),
+    _tp(4, _gpt_n_head_6, "n_head=6 is not divisible by tp=4: choose tp in {1, 2, 3, 6}"),
+    _tp(2, _gpt_vocab_50257, "vocab_size=50257 is not divisible by tp=2: pad the vocabulary, e.g. vocab_size=50304"),
+    _tp(4, _column_out_6, "out_features=6 is not divisible by tp=4: choose tp in {1, 2, 3, 6}"),
+    _tp(4, _row_in_6, "in_features=6 is not divisible by tp=4: choose tp in {1, 2, 3, 6}"),
+    _tp(2, _gpt_sample_without_generator, "needs generator=torch.Generator().manual_seed(s)"),
+])
+def test_bad_input_raises_value_error_naming_the_fix(world, tp, build, message):
+    for got in _on_ranks(world, tp, _value_error, build):
+        assert got is not None and message in got, f"expected a ValueError containing {message!r}, got {got!r}"
