@@ -338,6 +338,16 @@ class ZeroOptimizer:
         self.next_bucket = self.n_buckets - 1
         self.callback_queued = self.grads_reduced = False
 
+    def model_state_bytes(self):
+        """Bytes of this rank's parameters, gradients and optimizer states, summed over the
+        distinct storages of the tensors that hold them (a storage freed by stage 3 counts 0)."""
+        tensors = [t for p in self.params for t in (p, p.grad) if t is not None]
+        tensors += [getattr(self, n) for n in ("flat_param", "param_shard", "flat_grad", "grad_shard") if hasattr(self, n)]
+        tensors += [v for state in self.optim.state.values() for v in state.values() if torch.is_tensor(v)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tensors if t.untyped_storage().nbytes() > 0}
+        return sum(storages.values())
+
     # -------------------------------------------------------------------------------------
     # Full tensors for checkpoints and tests (gathered; not on the training path).
     # -------------------------------------------------------------------------------------
@@ -459,6 +469,11 @@ def full_state_dict(module):
     """{name: full tensor} for every parameter and buffer (floating point as fp32), the same keys
     as module.state_dict(), identical on every rank. A collective: call it on every rank."""
     return _engine(module).full_state_dict()
+
+
+def model_state_bytes(module):
+    """Bytes of parameters, gradients and optimizer states this rank holds now."""
+    return _engine(module).model_state_bytes()
 
 
 def full_optimizer_state(module):

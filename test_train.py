@@ -1,0 +1,91 @@
+"""ZeRO x Megatron on a 2D mesh, and train.py end to end.
+
+    python -m pytest -n 2 test_train.py
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zero
+from gpt import GPT, GPTConfig, make_mesh
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIG = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
+
+
+def on_rank_2d_zero_matches_ddp(stage):
+    """tp 2 x dp 2: each tp rank's slice sharded by ZeRO over its dp group, against the same
+    tp 2 model under DDP over the same dp group (2 ranks: DDP's own sum is exact there)."""
+    dp_group, tp_group = make_mesh(dp=2, tp=2)
+    reference = GPT(CONFIG, tp_group, seed=0)
+    ddp = DDP(reference, process_group=dp_group)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    model, opt = zero.initialize(GPT(CONFIG, tp_group, seed=0), torch.optim.AdamW, stage=stage,
+                                 group=dp_group, lr=1e-2, weight_decay=0.1)
+    mismatches = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 * step + dist.get_rank(dp_group))  # per dp rank; tp ranks share
+        x, y = torch.randint(0, 64, (3, 16), generator=g), torch.randint(0, 64, (3, 16), generator=g)
+        losses = []
+        for m, o in ((ddp, ref_opt), (model, opt)):
+            loss = m(x, y)[1]
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.detach())
+        if not torch.equal(*losses):
+            mismatches.append(f"step {step} loss {losses[0].item()} != {losses[1].item()}")
+        state, ref_state = zero.full_state_dict(model), reference.state_dict()
+        mismatches += [f"step {step} {k}" for k in ref_state if not torch.equal(state[k], ref_state[k])]
+    return mismatches
+
+
+@pytest.mark.xdist_group("world4")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_on_tp2_x_dp2_matches_ddp_bitwise(world, stage):
+    assert world(4).run(on_rank_2d_zero_matches_ddp, stage) == [[]] * 4
+
+
+def run_train(tmp_path, nproc, *flags):
+    out = tmp_path / f"log{nproc}{'_'.join(flags).replace('-', '')}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(HERE, "train.py"), "--steps", "6", "--eval_every", "3", "--batch_size", "4",
+           "--seq_len", "64", "--out", str(out), *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.xdist_group("train")
+def test_train_stage3_on_2_ranks_runs_and_loss_falls(tmp_path):
+    log, stdout = run_train(tmp_path, 2, "--stage", "3")
+    losses = [row["loss"] for row in log["log"]]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 0.5, losses
+    assert "validation loss" in stdout and "sample" in stdout and log["sample"].startswith("def ")
+
+
+@pytest.mark.xdist_group("train")
+def test_train_loss_curves_are_identical_for_stages_0_and_3(tmp_path):
+    curves = [[row["loss"] for row in run_train(tmp_path, 2, "--stage", s)[0]["log"]] for s in ("0", "3")]
+    assert curves[0] == curves[1], curves
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--stage", "4"], "invalid choice: 4"),
+    (["--tp", "2"], "--tp 2 does not divide the world size 1"),
+    (["--seq_len", "4096"], "exceeds the tiny model's block_size 128"),
+    (["--steps", "0"], "--steps must be at least 1"),
+])
+def test_train_bad_flags_say_what_to_change(flags, message):
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *flags], capture_output=True,
+                          text=True, timeout=120, cwd=HERE)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
