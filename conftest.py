@@ -67,8 +67,9 @@ class World:
                     errors.append(f"rank {rank}:\n{value}")
         except Exception:  # queue.Empty: some rank is stuck
             self.broken = True
-            raise RuntimeError(f"{fn.__name__} timed out after {timeout}s on world size {self.nd}; "
-                               f"errors so far: {errors}")
+            if errors:
+                raise AssertionError("\n".join(errors + ["(the other ranks did not finish)"]))
+            raise RuntimeError(f"{fn.__name__} timed out after {timeout}s on world size {self.nd}")
         if errors:
             # the ranks that did not fail may be out of step with the failed one: start afresh
             self.broken = True

@@ -17,6 +17,7 @@ rank order, ((g_0 + g_1) + g_2) + ..., then divided by Nd, whatever the bucket s
 stage (test_zero.py proves it). Run the tests with `python -m pytest -n 2 test_zero.py`.
 """
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,19 @@ def _overlap(a, b, c, d):
     return max(0, min(b, d) - max(a, c))
 
 
+@dataclass
+class DynamicLossScale:
+    """fp16's dynamic loss scaling (Micikevicius et al. 2018, as torch's GradScaler): the loss is
+    multiplied by `scale` before backward; a step whose gradients overflow (inf or nan on any
+    rank) is skipped and the scale multiplied by backoff_factor (not below min_scale); after
+    growth_interval clean steps it is multiplied by growth_factor."""
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    min_scale: float = 1.0
+
+
 class ZeroOptimizer:
     """The optimizer a user steps, and the ZeRO-DP machinery behind it, for one module.
 
@@ -52,7 +66,8 @@ class ZeroOptimizer:
     # once); the space is padded to a multiple of Nd and rank r owns elements
     # [r * shard_numel, (r + 1) * shard_numel). A parameter may straddle two ranks.
     # -------------------------------------------------------------------------------------
-    def __init__(self, module, optimizer_class, stage, group, param_groups, bucket_numel, optimizer_kwargs):
+    def __init__(self, module, optimizer_class, stage, group, param_groups, bucket_numel,
+                 param_dtype, reduce_dtype, loss_scale, optimizer_kwargs):
         self.module, self.stage, self.group = module, stage, group
         self.nd, self.rank = dist.get_world_size(group), dist.get_rank(group)
         params = list(module.parameters())  # unique: a tied weight is listed once
@@ -67,44 +82,58 @@ class ZeroOptimizer:
         self.shard_numel = math.ceil(self.psi / self.nd)
         self.padded_numel = self.shard_numel * self.nd
         self.lo, self.hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
-        p0 = self.params[0]
-        self.dtype, self.device = p0.dtype, p0.device
+        self.device = params[0].device
+
+        # Mixed precision (Section 3.1): the model computes in param_dtype; with a 16-bit
+        # param_dtype the optimizer updates an fp32 master copy of its partition, so K = 12
+        # (master 4 + momentum 4 + variance 4 bytes). Gradients are reduced in reduce_dtype.
+        self.param_dtype = param_dtype or params[0].dtype
+        self.master_dtype = torch.float32 if self.param_dtype in (torch.float16, torch.bfloat16) else None
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        for b in module.buffers():
+            if b.is_floating_point():
+                b.data = b.data.to(self.param_dtype)
 
         # Every rank starts from rank 0's weights, as DDP does.
-        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        flat = torch.zeros(self.padded_numel, dtype=params[0].dtype, device=self.device)
         for i, p in enumerate(self.params):
             flat[self.offsets[i]:self.offsets[i + 1]].copy_(p.detach().view(-1))
         dist.broadcast(flat, group_src=0, group=group)  # (padded_numel,) from rank 0
+        # The range this rank updates: stage 0 updates everything (the baseline), stages 1-3
+        # their own shard. Its buffers (master weights, reduced gradients) start at `base`.
+        self.base, self.own_numel = (0, self.padded_numel) if stage == 0 else (self.lo, self.shard_numel)
+        if self.master_dtype:
+            self.master = flat[self.base:self.base + self.own_numel].to(self.master_dtype, copy=True)
         if stage < 3:
             # Stages 0-2 keep every parameter: each is a view into one flat buffer.
-            self.flat_param = flat
+            self.flat_param = flat.to(self.param_dtype)
             for i, p in enumerate(self.params):
-                p.data = flat[self.offsets[i]:self.offsets[i + 1]].view_as(p)
-            param_src, param_base = flat, 0
+                p.data = self.flat_param[self.offsets[i]:self.offsets[i + 1]].view_as(p)
+            self.own_params = self.flat_param[self.base:self.base + self.own_numel]
         else:
             # Stage 3 keeps only this rank's shard; each parameter gets a storage of its own,
             # empty between uses (Section 5.3).
-            self.param_shard = flat[self.lo:self.hi].clone()  # (shard_numel,)
+            self.param_shard = flat[self.lo:self.hi].to(self.param_dtype, copy=True)  # (shard_numel,)
             for p in self.params:
-                p.data = torch.empty_like(p)
+                p.data = torch.empty(p.shape, dtype=self.param_dtype, device=self.device)
                 self._free(p)
             self.refcount = [0] * len(self.params)
-            param_src, param_base = self.param_shard, self.lo
-            del flat
+            self.own_params = self.param_shard
+        del flat
 
         # ---------------------------------------------------------------------------------
         # Section 5.1 -- P_os: the optimizer updates only this rank's partition.
         # The user's optimizer class runs over "pieces": the part of each trainable parameter
-        # that falls inside the owned range, as 1-D views into the flat storage. Stage 0 owns
-        # the whole space (every rank updates everything: the baseline).
-        # Per-rank optimizer states: KΨ/Nd.
+        # that falls inside the owned range, as 1-D views into the fp32 master copy (or, in
+        # fp32, into the parameters themselves). Per-rank optimizer states: KΨ/Nd.
         # ---------------------------------------------------------------------------------
-        own_lo, own_hi = (0, self.psi_trainable) if stage == 0 else (self.lo, min(self.hi, self.psi_trainable))
+        weights = self.master if self.master_dtype else self.own_params
         self.pieces = []  # (piece, parameter index, flat start, flat end)
         for i in range(self.n_trainable):
-            a, b = max(self.offsets[i], own_lo), min(self.offsets[i + 1], own_hi)
+            a = max(self.offsets[i], self.base)
+            b = min(self.offsets[i + 1], self.base + self.own_numel)
             if a < b:
-                self.pieces.append((param_src[a - param_base:b - param_base], i, a, b))
+                self.pieces.append((weights[a - self.base:b - self.base], i, a, b))
         groups = param_groups if param_groups is not None else [{"params": list(module.parameters())}]
         piece_groups = []
         for g in groups:
@@ -112,27 +141,35 @@ class ZeroOptimizer:
             piece_groups.append({**{k: v for k, v in g.items() if k != "params"},
                                  "params": [piece for piece, i, a, b in self.pieces if i in members]})
         self.optim = optimizer_class(piece_groups, **optimizer_kwargs)
+        if loss_scale is None and self.param_dtype == torch.float16:
+            loss_scale = DynamicLossScale()
+        self.scaler = DynamicLossScale(init_scale=loss_scale, growth_interval=2**62) \
+            if isinstance(loss_scale, (int, float)) else loss_scale  # a number: a static scale
+        self.loss_scale = self.scaler.init_scale if self.scaler else 1.0
+        self.clean_steps = 0
 
         # ---------------------------------------------------------------------------------
         # Section 5.2 -- P_os+g: gradient buckets, reduced during backward.
         # The trainable part of the flat space, [0, psi_trainable), is cut into buckets of
         # bucket_numel elements. A bucket is reduced once every parameter in it has its
         # gradient; buckets are reduced last to first (the order backward produces them), the
-        # same order on every rank. Stages 0-1 keep a full gradient buffer (4Ψ); stages 2-3
-        # keep only the reduced shard (4Ψ/Nd) and a bucket's buffer lives only until it is
-        # reduced.
+        # same order on every rank. Stages 0-1 keep a full gradient buffer (4Ψ in fp32; the
+        # reduced shard is written back into it); stages 2-3 keep only the reduced shard
+        # (4Ψ/Nd) and a bucket's buffer lives only until it is reduced.
         # ---------------------------------------------------------------------------------
         self.bucket_numel = bucket_numel
         self.n_buckets = math.ceil(self.psi_trainable / bucket_numel)
         self.buckets_of = [range(self.offsets[i] // bucket_numel, (self.offsets[i + 1] - 1) // bucket_numel + 1)
                            if self.params[i].numel() else range(0) for i in range(self.n_trainable)]
+        self.params_in_bucket = [0] * self.n_buckets
+        for i in range(self.n_trainable):
+            for k in self.buckets_of[i]:
+                self.params_in_bucket[k] += 1
         if stage < 2:
-            self.flat_grad = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-            self.grad_shard = self.flat_grad[self.lo:self.hi]  # this rank's reduced slice, in place
-        else:
-            self.grad_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
-        grad_src, grad_base = (self.flat_grad, 0) if stage == 0 else (self.grad_shard, self.lo)
-        self.piece_grads = [grad_src[a - grad_base:b - grad_base] for piece, i, a, b in self.pieces]
+            self.flat_grad = torch.zeros(self.padded_numel, dtype=self.param_dtype, device=self.device)
+        self.shard_in_flat_grad = stage < 2 and self.reduce_dtype == self.param_dtype
+        if not self.shard_in_flat_grad:
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         for i in range(self.n_trainable):
             self.params[i].register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -149,13 +186,21 @@ class ZeroOptimizer:
     # sends rank j its part from every rank; each rank then folds what it received in rank
     # order, ((g_0 + g_1) + g_2) + ..., and divides by Nd: a reduce-scatter whose bits do not
     # depend on bucket sizes, padding or stage. Each rank sends (Nd-1)/Nd of the bucket, as
-    # in a ring reduce-scatter: Ψ over all buckets (Section 7.1).
+    # in a ring reduce-scatter: Ψ over all buckets (Section 7.1). Micro-batches: each
+    # backward is reduced on its own and added to the shard, in order.
     # -------------------------------------------------------------------------------------
+    def _bucket(self, k):
+        a, b = k * self.bucket_numel, min((k + 1) * self.bucket_numel, self.psi_trainable)
+        if self.stage < 2:
+            return self.flat_grad[a:b]
+        if k not in self.bucket_bufs:
+            self.bucket_bufs[k] = torch.zeros(b - a, dtype=self.reduce_dtype, device=self.device)
+        return self.bucket_bufs[k]
+
     def _reduce_bucket(self, k):
         a, b = k * self.bucket_numel, min((k + 1) * self.bucket_numel, self.psi_trainable)
-        bucket = self.flat_grad[a:b] if self.stage < 2 else self.bucket_bufs.pop(k, None)
-        if bucket is None:  # no gradient of this bucket arrived on this rank
-            bucket = torch.zeros(b - a, dtype=self.dtype, device=self.device)
+        bucket = self._bucket(k).to(self.reduce_dtype)
+        self.bucket_bufs.pop(k, None)
         splits = [_overlap(a, b, j * self.shard_numel, (j + 1) * self.shard_numel) for j in range(self.nd)]
         mine = splits[self.rank]
         received = bucket.new_empty(self.nd * mine)
@@ -164,10 +209,13 @@ class ZeroOptimizer:
         received = received.view(self.nd, mine)
         start = max(a, self.lo) - self.lo
         out = self.grad_shard[start:start + mine]
-        out.copy_(received[0])
+        total = out if self.micro_batches == 0 else torch.empty_like(out)
+        total.copy_(received[0])
         for j in range(1, self.nd):
-            out.add_(received[j])
-        out.div_(self.nd)
+            total.add_(received[j])
+        total.div_(self.nd)
+        if total is not out:  # a later micro-batch: add its mean to the sum so far
+            out.add_(total)
 
     def _grad_ready(self, p):
         """Post-accumulate-grad hook: p's gradient for this backward is complete."""
@@ -176,21 +224,13 @@ class ZeroOptimizer:
         self.used[i] = True
         a, n = self.offsets[i], p.numel()
         grad = p.grad.view(-1)
-        if self.stage < 2:
-            home = self.flat_grad[a:a + n]
-            if grad.data_ptr() != home.data_ptr():
-                home.copy_(grad)
-                p.grad = home.view_as(p)  # later micro-batches accumulate in place
-        else:
-            for k in self.buckets_of[i]:
-                ka, kb = k * self.bucket_numel, min((k + 1) * self.bucket_numel, self.psi_trainable)
-                if k not in self.bucket_bufs:
-                    self.bucket_bufs[k] = torch.zeros(kb - ka, dtype=self.dtype, device=self.device)
-                lo, hi = max(a, ka), min(a + n, kb)
-                self.bucket_bufs[k][lo - ka:hi - ka].copy_(grad[lo - a:hi - a])
-            p.grad = None  # the full gradient is released: only the shard stays (4Ψ/Nd)
-            if self.stage == 3:
-                self._free(p)
+        for k in self.buckets_of[i]:  # copy into the bucket(s) it falls in
+            ka, kb = k * self.bucket_numel, min((k + 1) * self.bucket_numel, self.psi_trainable)
+            lo, hi = max(a, ka), min(a + n, kb)
+            self._bucket(k)[lo - ka:hi - ka].copy_(grad[lo - a:hi - a])
+        p.grad = None  # the full gradient lives on only in the bucket (stages 0-1: the flat buffer)
+        if self.stage == 3:
+            self._free(p)
         for k in self.buckets_of[i]:
             self.pending[k] -= 1
         self._reduce_ready_buckets()
@@ -201,39 +241,45 @@ class ZeroOptimizer:
             self.next_bucket -= 1
 
     def _begin_backward(self):
-        if self.grads_reduced:
-            raise RuntimeError("a second backward before optimizer.step(): call optimizer.zero_grad() "
-                               "after each step (accumulation over micro-batches is not supported yet)")
-        if not self.callback_queued:
-            Variable._execution_engine.queue_callback(self._finish_backward)
-            self.callback_queued = True
+        if self.in_backward:
+            return
+        if self.scaler and not self.scaling:
+            raise RuntimeError("with fp16 loss scaling, call optimizer.backward(loss) instead of loss.backward()")
+        if self.shard_in_flat_grad and self.micro_batches == 1:
+            # Stages 0-1 reduce into their full gradient buffer, which the next micro-batch
+            # needs for its own gradients: the sum so far moves out (Ψ/Nd while accumulating).
+            self.grad_shard = self.grad_shard.clone()
+        Variable._execution_engine.queue_callback(self._finish_backward)
+        self.in_backward = True
 
     def _finish_backward(self):
         """End of backward: reduce what is left, agree on which parameters were used."""
-        if self.grads_reduced:
-            return
         for i in range(self.n_trainable):
             if not self.used[i]:  # unused on this rank: it contributes zeros, as in DDP
-                if self.stage < 2:
-                    self.flat_grad[self.offsets[i]:self.offsets[i + 1]].zero_()
+                a, b = self.offsets[i], self.offsets[i + 1]
                 for k in self.buckets_of[i]:
+                    ka = k * self.bucket_numel
+                    self._bucket(k)[max(a, ka) - ka:min(b, ka + self.bucket_numel) - ka].zero_()
                     self.pending[k] -= 1
         self._reduce_ready_buckets()
-        # A parameter unused on every rank keeps no gradient (the optimizer skips it, as with
-        # DDP's find_unused_parameters=True); one used anywhere gets the average.
+        # A parameter unused on every rank in every micro-batch keeps no gradient (the
+        # optimizer skips it, as with DDP's find_unused_parameters=True); one used anywhere
+        # gets the average.
         used = torch.tensor(self.used, dtype=torch.int32, device=self.device)
         dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)  # (n_trainable,) flags
-        self.used_anywhere = used.bool().tolist()
-        if self.stage == 0:
-            # all-reduce = reduce-scatter + all-gather: each rank sends its reduced shard (Ψ/Nd)
-            dist.all_gather_single(self.flat_grad, self.grad_shard, group=self.group)  # (padded_numel,)
-            for i in range(self.n_trainable):
-                self.params[i].grad = (self.flat_grad[self.offsets[i]:self.offsets[i + 1]].view_as(self.params[i])
-                                       if self.used_anywhere[i] else None)
+        self.used_anywhere = [u or v for u, v in zip(self.used_anywhere, used.bool().tolist())]
         if self.stage == 3:
             for p in self.params:
                 self._free(p)
-        self.grads_reduced = True
+        self.micro_batches += 1
+        self._new_backward()
+
+    def _new_backward(self):
+        self.used = [False] * self.n_trainable  # this rank's gradient arrived, this backward
+        self.pending = list(self.params_in_bucket)
+        self.bucket_bufs = {}
+        self.next_bucket = self.n_buckets - 1
+        self.in_backward = False
 
     # -------------------------------------------------------------------------------------
     # Section 5.3 -- P_os+g+p: parameters exist in full only while a module uses them.
@@ -261,7 +307,7 @@ class ZeroOptimizer:
             if j == self.rank:
                 buf = torch.cat([self.param_shard[a - self.lo:b - self.lo] for p, a, b in parts])
             else:
-                buf = torch.empty(sum(b - a for p, a, b in parts), dtype=self.dtype, device=self.device)
+                buf = torch.empty(sum(b - a for p, a, b in parts), dtype=self.param_dtype, device=self.device)
             dist.broadcast(buf, group_src=j, group=self.group)  # owner j's parts (sum of lengths,)
             at = 0
             for p, a, b in parts:
@@ -312,15 +358,96 @@ class ZeroOptimizer:
     def param_groups(self):
         return self.optim.param_groups
 
+    def backward(self, loss):
+        """loss.backward(), scaled by the loss scale when fp16 loss scaling is on."""
+        self.scaling = True
+        try:
+            (loss.float() * self.loss_scale if self.scaler else loss).backward()
+        finally:
+            self.scaling = False
+
+    def _grads(self):
+        """This rank's averaged gradient, (own_numel,) from flat index `base`, unscaled, in the
+        optimizer's dtype; and whether any rank's overflowed. Computed once per step."""
+        if self.grads is None:
+            if self.micro_batches == 0:  # no backward reached a parameter: reduce zeros
+                self._finish_backward()
+            grads = self.grad_shard
+            if self.stage == 0:
+                # all-reduce = reduce-scatter + all-gather: each rank sends its reduced shard (Ψ/Nd)
+                full = self.flat_grad if self.reduce_dtype == self.param_dtype else \
+                    grads.new_empty(self.padded_numel)
+                dist.all_gather_single(full, grads, group=self.group)  # (padded_numel,)
+                grads = full
+            grads = grads.to(self.master_dtype or self.param_dtype)
+            found_inf = torch.zeros((), device=self.device)
+            if self.scaler:
+                found_inf = (~grads.isfinite()).any().float()
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)  # any rank's shard
+                grads.div_(self.loss_scale)
+            self.grads, self.overflow = grads, bool(found_inf)
+        return self.grads
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        """torch.nn.utils.clip_grad_norm_ over the full gradients, bit for bit: the norm of the
+        per-parameter norms in parameter order, then every gradient times min(1, max_norm /
+        (norm + 1e-6)). A parameter's norm is taken where its whole gradient is: on its rank,
+        or, for one straddling a shard boundary, on its first rank after its pieces are sent
+        there. Returns the total norm."""
+        grads = self._grads()
+        norms = torch.zeros(self.n_trainable, dtype=grads.dtype, device=self.device)
+        for i in range(self.n_trainable):
+            if not self.used_anywhere[i]:
+                continue
+            a, b = self.offsets[i], self.offsets[i + 1]
+            first = a // self.shard_numel
+            if self.stage == 0 or a // self.shard_numel == (b - 1) // self.shard_numel:
+                if self.stage == 0 or first == self.rank:
+                    norms[i] = torch.linalg.vector_norm(grads[a - self.base:b - self.base], norm_type)
+                continue
+            # a straddler: all-to-all of each rank's piece to its first rank -> (b - a,) there
+            splits = [_overlap(a, b, j * self.shard_numel, (j + 1) * self.shard_numel) for j in range(self.nd)]
+            mine = grads[max(a, self.lo) - self.lo:max(a, self.lo) - self.lo + splits[self.rank]]
+            whole = grads.new_empty(b - a if self.rank == first else 0)
+            dist.all_to_all_single(whole, mine, splits if self.rank == first else [0] * self.nd,
+                                   [splits[self.rank] if j == first else 0 for j in range(self.nd)],
+                                   group=self.group)
+            if self.rank == first:
+                norms[i] = torch.linalg.vector_norm(whole, norm_type)
+        if self.stage > 0:  # each norm was found on one rank, zeros elsewhere: the sum is exact
+            dist.all_reduce(norms, group=self.group)  # (n_trainable,)
+        total = torch.linalg.vector_norm(torch.stack([norms[i] for i in range(self.n_trainable)
+                                                      if self.used_anywhere[i]]), norm_type)
+        grads.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
     def step(self):
-        self._finish_backward()  # no-op when backward already did it
-        for (piece, i, a, b), grad in zip(self.pieces, self.piece_grads):
-            piece.grad = grad if self.used_anywhere[i] else None
+        """Update this rank's partition and gather the parameters. Returns False when fp16 loss
+        scaling found an overflow and skipped the step on every rank."""
+        grads = self._grads()
+        if self.scaler:
+            self._update_loss_scale()
+            if self.overflow:
+                return False
+        for piece, i, a, b in self.pieces:
+            piece.grad = grads[a - self.base:b - self.base] if self.used_anywhere[i] else None
         self.optim.step()
+        if self.master_dtype:
+            self.own_params.copy_(self.master)  # fp32 master -> the 16-bit parameters
         if self.stage in (1, 2):
             # all-gather: each rank sends its updated shard (Ψ/Nd) -> flat_param (padded_numel,)
             dist.all_gather_single(self.flat_param, self.flat_param[self.lo:self.hi], group=self.group)
         # stage 3: nothing to gather now; the next forward gathers what it uses
+        return True
+
+    def _update_loss_scale(self):
+        s = self.scaler
+        if self.overflow:
+            self.loss_scale, self.clean_steps = max(self.loss_scale * s.backoff_factor, s.min_scale), 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps == s.growth_interval:
+                self.loss_scale, self.clean_steps = self.loss_scale * s.growth_factor, 0
 
     def zero_grad(self, set_to_none=True):
         if not set_to_none:
@@ -329,20 +456,18 @@ class ZeroOptimizer:
             p.grad = None
         for piece, i, a, b in self.pieces:
             piece.grad = None
-        self.used = [False] * self.n_trainable  # this rank's gradient arrived, this backward
-        self.pending = [0] * self.n_buckets
-        for i in range(self.n_trainable):
-            for k in self.buckets_of[i]:
-                self.pending[k] += 1
-        self.bucket_bufs = {}
-        self.next_bucket = self.n_buckets - 1
-        self.callback_queued = self.grads_reduced = False
+        if self.shard_in_flat_grad:
+            self.grad_shard = self.flat_grad[self.lo:self.hi]  # P_os: reduced in place
+        self.micro_batches, self.used_anywhere = 0, [False] * self.n_trainable
+        self.grads, self.overflow, self.scaling = None, False, False
+        self._new_backward()
 
     def model_state_bytes(self):
         """Bytes of this rank's parameters, gradients and optimizer states, summed over the
         distinct storages of the tensors that hold them (a storage freed by stage 3 counts 0)."""
         tensors = [t for p in self.params for t in (p, p.grad) if t is not None]
-        tensors += [getattr(self, n) for n in ("flat_param", "param_shard", "flat_grad", "grad_shard") if hasattr(self, n)]
+        tensors += [getattr(self, n) for n in ("flat_param", "param_shard", "master", "flat_grad", "grad_shard")
+                    if hasattr(self, n)]
         tensors += [v for state in self.optim.state.values() for v in state.values() if torch.is_tensor(v)]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in tensors if t.untyped_storage().nbytes() > 0}
@@ -351,19 +476,23 @@ class ZeroOptimizer:
     # -------------------------------------------------------------------------------------
     # Full tensors for checkpoints and tests (gathered; not on the training path).
     # -------------------------------------------------------------------------------------
-    def _full_flat(self, shard):
-        """A (padded_numel,) tensor from each rank's (shard_numel,) part."""
-        full = shard.new_empty(self.padded_numel)
-        dist.all_gather_single(full, shard, group=self.group)
+    def _full(self, own):
+        """A (padded_numel,) tensor from each rank's (own_numel,) part."""
+        if self.stage == 0:
+            return own
+        full = own.new_empty(self.padded_numel)
+        dist.all_gather_single(full, own, group=self.group)
         return full
 
     def full_state_dict(self):
-        flat = self.flat_param if self.stage < 3 else self._full_flat(self.param_shard)
+        # the fp32 master weights where they exist, else the parameters themselves
+        flat = self._full(self.master) if self.master_dtype else \
+            self.flat_param if self.stage < 3 else self._full(self.param_shard)
         state = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
             if t in self.index:
                 i = self.index[t]
-                value = flat[self.offsets[i]:self.offsets[i + 1]].view_as(t).clone()
+                value = flat[self.offsets[i]:self.offsets[i + 1]].view(t.shape).clone()
             else:  # a buffer: rank 0's, as the next forward would see it
                 value = t.detach().clone()
                 dist.broadcast(value, group_src=0, group=self.group)
@@ -372,46 +501,49 @@ class ZeroOptimizer:
 
     def full_optimizer_state(self):
         """{parameter name: {state key: full tensor}}, as the optimizer would hold it whole."""
-        shape_of = {}  # per parameter: state key -> "elementwise" or the scalar state's value
-        for (piece, i, a, b) in self.pieces:
+        kinds = {}  # per parameter: state key -> "elementwise" or the scalar state's value
+        for piece, i, a, b in self.pieces:
             for key, v in self.optim.state.get(piece, {}).items():
                 elementwise = torch.is_tensor(v) and v.shape == piece.shape
-                shape_of.setdefault(i, {})[key] = "elementwise" if elementwise else v
+                kinds.setdefault(i, {})[key] = "elementwise" if elementwise else v
         everyone = [None] * self.nd
-        dist.all_gather_object(everyone, shape_of, group=self.group)
+        dist.all_gather_object(everyone, kinds, group=self.group)
         merged = {}
         for d in everyone:
             for i, keys in d.items():
                 merged.setdefault(i, {}).update(keys)
-        keys = sorted({k for d in merged.values() for k, v in d.items() if isinstance(v, str)})
         full = {}
-        for key in keys:  # one (padded_numel,) gather per elementwise state
-            base = 0 if self.stage == 0 else self.lo
-            part = torch.zeros(self.padded_numel if self.stage == 0 else self.shard_numel, device=self.device)
-            for (piece, i, a, b) in self.pieces:
+        for key in sorted({k for d in merged.values() for k, v in d.items() if v == "elementwise"}):
+            part = torch.zeros(self.own_numel, device=self.device)  # one gather per elementwise state
+            for piece, i, a, b in self.pieces:
                 if key in self.optim.state.get(piece, {}):
-                    part[a - base:b - base] = self.optim.state[piece][key]
-            full[key] = part if self.stage == 0 else self._full_flat(part)
+                    part[a - self.base:b - self.base] = self.optim.state[piece][key]
+            full[key] = self._full(part)
         names = {p: n for n, p in self.module.named_parameters()}
         result = {}
-        for i, keys_i in sorted(merged.items()):
+        for i, keys in sorted(merged.items()):
             p = self.params[i]
-            result[names[p]] = {k: (full[k][self.offsets[i]:self.offsets[i + 1]].view_as(p).clone()
-                                    if isinstance(v, str) else v) for k, v in keys_i.items()}
+            result[names[p]] = {k: full[k][self.offsets[i]:self.offsets[i + 1]].view(p.shape).clone()
+                                if isinstance(v, str) else v for k, v in keys.items()}
         return result
 
 
 # -----------------------------------------------------------------------------------------
 # Entry points
 # -----------------------------------------------------------------------------------------
-def initialize(module, optimizer_class, stage, group=None, param_groups=None,
-               bucket_numel=DEFAULT_BUCKET_NUMEL, **optimizer_kwargs):
+def initialize(module, optimizer_class, stage, group=None, param_groups=None, bucket_numel=DEFAULT_BUCKET_NUMEL,
+               param_dtype=None, reduce_dtype=None, loss_scale=None, **optimizer_kwargs):
     """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world).
 
     Returns (module, optimizer): the same module, now sharded and hooked, and the optimizer
     to step. `optimizer_class` is a torch.optim class (not an instance) and its arguments come
     as keywords; `param_groups` is an optional list of {"params": [...], **options} over the
     module's parameters, as torch.optim takes it. Every rank starts from rank 0's weights.
+
+    param_dtype=torch.bfloat16 or torch.float16: the model computes in 16 bits and the
+    optimizer keeps fp32 master weights for its partition. reduce_dtype: the dtype gradients
+    are summed in (default: param_dtype). loss_scale: fp16's loss scaling, a DynamicLossScale
+    (the default for float16) or a number for a static scale; then call optimizer.backward(loss).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("zero.initialize needs a process group: call torch.distributed.init_process_group"
@@ -435,6 +567,11 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None,
     if optimizer_kwargs.get("fused"):
         raise ValueError("fused=True optimizers are not layout invariant (a shard updates to other bits "
                          "than the whole tensor): use fused=False, or foreach=True for speed")
+    for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{name} must be torch.float32, torch.bfloat16 or torch.float16 (got {dtype})")
+    if loss_scale is not None and not isinstance(loss_scale, (int, float, DynamicLossScale)):
+        raise TypeError(f"loss_scale must be a number or a zero.DynamicLossScale (got {type(loss_scale).__name__})")
     params = list(module.parameters())
     if not params:
         raise ValueError("module has no parameters to shard")
@@ -444,7 +581,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None,
                             f"only; register it as a buffer instead")
         if p.dtype != params[0].dtype or p.device != params[0].device:
             raise ValueError(f"parameter {name} is {p.dtype} on {p.device} but others are {params[0].dtype} "
-                             f"on {params[0].device}: move the module to one dtype and device first")
+                             f"on {params[0].device}: move the module to one dtype and device first "
+                             f"(for mixed precision keep it fp32 and pass param_dtype)")
     if param_groups is not None:
         listed = [p for g in param_groups for p in g["params"]]
         if len(listed) != len(set(listed)) or set(listed) - set(params):
@@ -454,7 +592,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None,
             raise ValueError(f"param_groups leaves out trainable parameters {missing}: add them to a group")
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be at least 1 (got {bucket_numel})")
-    optimizer = ZeroOptimizer(module, optimizer_class, stage, group, param_groups, bucket_numel, optimizer_kwargs)
+    optimizer = ZeroOptimizer(module, optimizer_class, stage, group, param_groups, bucket_numel,
+                              param_dtype, reduce_dtype, loss_scale, optimizer_kwargs)
     module._zero = optimizer
     return module, optimizer
 
