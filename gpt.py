@@ -390,11 +390,11 @@ class GPT(nn.Module):
             x = x[:, [-1], :]                                             # (B, 1, C): only the last position
         logits = self.lm_head(x)                                          # f, then (B, T, V/tp)
         if targets is not None:
-            if self.tp_size == 1:
-                loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+            flat = logits.view(-1, logits.size(-1)).float()              # (B*T, V/tp); the loss in fp32 even
+            if self.tp_size == 1:                                         # when the model computes in 16 bits
+                loss = F.cross_entropy(flat, targets.view(-1), ignore_index=-1)
             else:
-                loss = vocab_parallel_cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
-                                                    self.wte.vocab_start, self.tp_group)
+                loss = vocab_parallel_cross_entropy(flat, targets.view(-1), self.wte.vocab_start, self.tp_group)
             return logits, loss
         if self.tp_size > 1:  # all-gather the vocabulary slices: (B, 1, V/tp) x tp -> (B, 1, V); no autograd
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]

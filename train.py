@@ -36,13 +36,16 @@ def parse_args(argv=None):
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (warm-up, then cosine to lr/10)")
     p.add_argument("--weight_decay", type=float, default=0.1)
-    p.add_argument("--dtype", default="float32", choices=["float32"], help="parameter dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the dtype the model computes in; 16-bit keeps fp32 master weights in the optimizer shard")
+    p.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step (each of --batch_size)")
+    p.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--eval_every", type=int, default=100, help="validation loss every this many steps")
     p.add_argument("--data", default=None, help="a text file (default: the Python standard library's source)")
     p.add_argument("--out", default=None, help="write the run's log as JSON to this file")
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len", "eval_every", "tp"):
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "tp", "grad_accum"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1 (got {getattr(args, name)})")
     if args.seq_len > PRESETS[args.model].block_size:
@@ -126,35 +129,42 @@ def main(argv=None):
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     model, optimizer = zero.initialize(model, torch.optim.AdamW, stage=args.stage, group=dp_group,
                                        param_groups=[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+                                       param_dtype=getattr(torch, args.dtype),
                                        lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    log(f"{backend} on {device.type} | world {world} = dp {dp} x tp {args.tp} | ZeRO stage {args.stage} | "
+    log(f"{backend} on {device.type} | world {world} = dp {dp} x tp {args.tp} | ZeRO stage {args.stage} | {args.dtype} | "
         f"model {args.model}: {num_params(config) / 1e6:.2f}M parameters | corpus {len(data) / 1e6:.1f} MB")
 
     gen = torch.Generator().manual_seed(args.seed * 1000 + dp_rank)  # each dp rank its own batches
-    tokens_per_step = args.batch_size * args.seq_len * dp
+    tokens_per_step = args.batch_size * args.seq_len * dp * args.grad_accum
     history, val_history = [], []
     for step in range(args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = get_batch(train_data, args.batch_size, args.seq_len, gen, device)
+        batches = [get_batch(train_data, args.batch_size, args.seq_len, gen, device) for _ in range(args.grad_accum)]
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        _, loss = model(x, y)
-        loss.backward()
+        step_loss = torch.zeros((), device=device)
+        for x, y in batches:  # micro-batches: each backward adds its averaged gradient to the shard
+            _, loss = model(x, y)
+            optimizer.backward(loss / args.grad_accum)  # loss.backward(), times the loss scale in fp16
+            step_loss += loss.detach() / args.grad_accum
         state_mb = zero.model_state_bytes(model) / 1e6  # after backward: parameters, gradients, states
-        optimizer.step()
+        if args.grad_clip > 0:
+            optimizer.clip_grad_norm_(args.grad_clip)
+        stepped = optimizer.step()  # False: fp16 overflow, step skipped on every rank
         optimizer.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1000
-        mean_loss = loss.detach().clone()
+        mean_loss = step_loss.clone()
         dist.all_reduce(mean_loss, group=dp_group)  # the loss of the whole batch, over dp ranks
         mean_loss = mean_loss.item() / dp
         history.append(dict(step=step, loss=mean_loss, ms=ms, tokens_per_s=tokens_per_step / ms * 1000,
                             model_state_mb=state_mb, peak_mb=peak_mb(device)))
         log(f"step {step:4d} | loss {mean_loss:.4f} | {ms:7.1f} ms | {tokens_per_step / ms * 1000:8.0f} tok/s | "
-            f"model states {state_mb:6.2f} MB/rank | peak {history[-1]['peak_mb']:6.0f} MB/rank")
+            f"model states {state_mb:6.2f} MB/rank | peak {history[-1]['peak_mb']:6.0f} MB/rank"
+            + ("" if stepped else f" | overflow: step skipped, loss scale now {optimizer.loss_scale:g}"))
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
             val = evaluate(model, val_data, args, device, dp_group, dp)
             val_history.append(dict(step=step, val_loss=val))

@@ -1,0 +1,188 @@
+"""Mixed precision, fp16 loss scaling, gradient accumulation and clipping, bit for bit.
+
+    python -m pytest -n 2 test_mixed.py
+
+The reference is written here on torch's DDP: a 16-bit model whose gradients DDP averages
+(with the rank-order comm hook at world size 3+, see test_zero.rank_order_hook), and an fp32
+master copy of its weights updated by torch.optim.AdamW after torch.nn.utils.clip_grad_norm_.
+Accumulation semantics, the same on both sides: each micro-batch's gradient is averaged over
+ranks on its own (in the reduction dtype), and the averages are summed in micro-batch order.
+fp16: the fp32 loss times the loss scale is backpropagated; the summed gradient, cast to fp32,
+is checked for inf/nan (on any rank), divided by the scale, clipped, then stepped.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zero
+from test_zero import VOCAB, Net, compare, live_storages, make_model, rank_order_hook, usage
+
+STEPS, MICRO, MAX_NORM = 5, 4, 0.05  # MAX_NORM: below every step's gradient norm, so clipping acts
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+OVERFLOW_STEP = 2  # fp16: an inf in one element of one rank's gradient, in this step's second micro-batch
+OPTIM = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def micro_batch(step, m):
+    g = torch.Generator().manual_seed(10_000 * step + 100 * m + dist.get_rank())
+    return torch.randint(0, VOCAB, (2, 5), generator=g), torch.randint(0, VOCAB, (2, 5), generator=g)
+
+
+def groups(params):
+    return [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2],
+                                                              "weight_decay": 0.0}]
+
+
+def loss_of(model, step, m):
+    x, y = micro_batch(step, m)
+    logits = model(x, *usage(step * MICRO + m, dist.get_rank(), symmetric=True))
+    return F.cross_entropy(logits.float().view(-1, VOCAB), y.view(-1)) / MICRO
+
+
+def inject_overflow(model, dtype_name, step, m):
+    """fp16: a hook that makes one gradient element inf on rank 0 only; None when not this micro-batch."""
+    if dtype_name == "fp16" and step == OVERFLOW_STEP and m == 1 and dist.get_rank() == 0:
+        return model.fc1.weight.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])),
+                                                                    torch.tensor(float("inf"), dtype=g.dtype)))
+    return None
+
+
+def reference(dtype_name, fp16_scale):
+    dtype = DTYPES[dtype_name]
+    model = make_model()
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)  # rank 0's fp32 weights, as zero and DDP both start from
+    names = [n for n, p in model.named_parameters()]
+    name_of = {p: n for n, p in model.named_parameters()}
+    masters = [p.detach().clone() for p in model.parameters()]  # fp32, frozen ones too
+    trainable = [(p, w) for p, w in zip(model.parameters(), masters) if p.requires_grad]
+    model.to(dtype)
+    ddp = DDP(model, find_unused_parameters=True)
+    if dist.get_world_size() >= 3:
+        ddp.register_comm_hook(None, rank_order_hook)
+    opt = torch.optim.AdamW(groups([w for p, w in trainable]), **OPTIM)
+    scale, clean = fp16_scale, 0
+    trajectory = []
+    for step in range(STEPS):
+        summed, losses = [None] * len(trainable), []
+        for m in range(MICRO):
+            loss = loss_of(ddp, step, m)
+            handle = inject_overflow(model, dtype_name, step, m)
+            (loss * scale if scale else loss).backward()
+            if handle:
+                handle.remove()
+            for j, (p, w) in enumerate(trainable):
+                if p.grad is not None:
+                    summed[j] = p.grad if summed[j] is None else summed[j] + p.grad
+                p.grad = None
+            losses.append(loss.detach())
+        grads = [None if g is None else g.float() for g in summed]
+        stepped, norm = True, None
+        if scale:
+            overflow = any(not g.isfinite().all() for g in grads if g is not None)
+            grads = [None if g is None else g / scale for g in grads]
+            if overflow:
+                scale, clean, stepped = scale * 0.5, 0, False
+            else:
+                clean += 1
+        if stepped:
+            for (p, w), g in zip(trainable, grads):
+                w.grad = None if g is None else g.view(w.shape)
+            norm = torch.nn.utils.clip_grad_norm_([w for p, w in trainable], MAX_NORM)
+            opt.step()
+            with torch.no_grad():
+                for p, w in trainable:
+                    p.copy_(w)  # fp32 master -> 16-bit parameter
+        state = {n: w.clone() for n, w in zip(names, masters)}
+        state["head.weight"] = state["emb.weight"]
+        seen = model.seen.detach().clone()
+        dist.broadcast(seen, src=0)
+        state["seen"] = seen.float()
+        optim = {name_of[p]: {k: v.clone() for k, v in opt.state[w].items()} for p, w in trainable if w in opt.state}
+        trajectory.append((losses, stepped, norm, scale, state, optim))
+    return trajectory
+
+
+def on_rank_mixed_matches_reference(stage, dtype_name):
+    fp16_scale = 2.0**10 if dtype_name == "fp16" else None
+    ref = reference(dtype_name, fp16_scale)
+    module = make_model()
+    loss_scale = zero.DynamicLossScale(init_scale=fp16_scale) if fp16_scale else None
+    model, opt = zero.initialize(module, torch.optim.AdamW, stage=stage, param_groups=groups(
+        [p for p in module.parameters() if p.requires_grad]), param_dtype=DTYPES[dtype_name],
+        loss_scale=loss_scale, bucket_numel=64, **OPTIM)
+    mismatches = []
+    for step, (ref_losses, ref_stepped, ref_norm, ref_scale, ref_state, ref_optim) in enumerate(ref):
+        for m in range(MICRO):
+            loss = loss_of(model, step, m)
+            handle = inject_overflow(model, dtype_name, step, m)
+            opt.backward(loss)
+            if handle:
+                handle.remove()
+            mismatches += compare(f"step {step} micro {m} loss", loss.detach(), ref_losses[m])
+        norm = opt.clip_grad_norm_(MAX_NORM)  # inf or nan after an overflow; the step is skipped then
+        stepped = opt.step()
+        opt.zero_grad()
+        if stepped != ref_stepped or opt.loss_scale != (ref_scale or 1.0):
+            mismatches.append(f"step {step}: stepped {stepped} vs {ref_stepped}, scale {opt.loss_scale} vs {ref_scale}")
+        if ref_norm is not None:
+            mismatches += compare(f"step {step} clip norm", norm, ref_norm)
+            if not ref_norm > MAX_NORM:
+                mismatches.append(f"step {step}: norm {ref_norm} does not exceed {MAX_NORM}: clipping idle")
+        mismatches += compare(f"step {step} state", zero.full_state_dict(model), ref_state)
+        mismatches += compare(f"step {step} optimizer", zero.full_optimizer_state(model), ref_optim)
+    if dtype_name == "fp16" and ref[OVERFLOW_STEP][1]:
+        mismatches.append("the forced overflow did not skip a step")
+    return mismatches
+
+
+CASES = [pytest.param(nd, marks=pytest.mark.xdist_group(f"world{nd}")) for nd in (2, 4)]
+
+
+@pytest.mark.parametrize("nd", CASES)
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_mixed_precision_accumulation_clipping_match_reference_bitwise(world, stage, dtype_name, nd):
+    """4 micro-batches a step, clipping active on every step, bf16, and fp16 with a forced
+    overflow on one rank that every rank skips: losses, clip norms, loss scale, fp32 master
+    weights and optimizer states torch.equal to the DDP-based reference."""
+    assert world(nd).run(on_rank_mixed_matches_reference, stage, dtype_name) == [[]] * nd
+
+
+# -----------------------------------------------------------------------------------------
+# K = 12: bytes alive after backward, bf16 parameters and gradients, fp32 master + Adam states
+# -----------------------------------------------------------------------------------------
+def on_rank_bf16_model_state_bytes(stage):
+    before = live_storages()
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(128, 257), torch.nn.GELU(), torch.nn.Linear(257, 131),
+                              torch.nn.GELU(), torch.nn.Linear(131, 7))
+    model, opt = zero.initialize(mlp, torch.optim.AdamW, stage=stage, param_dtype=torch.bfloat16,
+                                 bucket_numel=5000, lr=1e-3)
+    for step in range(2):
+        x, y = torch.randn(8, 128, dtype=torch.bfloat16), torch.randn(8, 7)
+        loss = F.mse_loss(model(x).float(), y)
+        opt.backward(loss)
+        if step == 0:
+            opt.step()
+            opt.zero_grad()
+    del loss
+    inputs = {x.untyped_storage().data_ptr(), y.untyped_storage().data_ptr()}
+    measured = sum(s.nbytes() for ptr, s in live_storages().items() if ptr not in before and ptr not in inputs)
+    return measured, sum(p.numel() for p in mlp.parameters()), len(list(mlp.parameters()))
+
+
+@pytest.mark.parametrize("nd", CASES)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_model_state_bytes_match_paper_formula_k12(world, stage, nd):
+    """Section 5 with K = 12 (fp32 master 4 + momentum 4 + variance 4 bytes per parameter):
+    baseline 2Ψ + 2Ψ + 12Ψ; P_os 2Ψ + 2Ψ + 12Ψ/Nd; P_os+g 2Ψ + 14Ψ/Nd; P_os+g+p 16Ψ/Nd.
+    Up to padding (fewer than Nd elements per buffer, at most 16 bytes each) and AdamW's
+    4-byte step counter per parameter piece."""
+    for measured, psi, n_params in world(nd).run(on_rank_bf16_model_state_bytes, stage):
+        formula = {0: 16 * psi, 1: 2 * psi + 2 * psi + 12 * psi / nd,
+                   2: 2 * psi + 14 * psi / nd, 3: 16 * psi / nd}[stage]
+        slack = 16 * nd + 4 * (n_params + nd)
+        assert formula - 16 <= measured <= formula + slack, (stage, nd, measured, formula, measured / formula)
