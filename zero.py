@@ -83,6 +83,9 @@ class ZeroOptimizer:
         self.padded_numel = self.shard_numel * self.nd
         self.lo, self.hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
         self.device = params[0].device
+        # small flags (which parameters were used, overflow) must be readable: on the CPU when the
+        # model is on the meta device (memory_table.py simulates the paper's sizes that way)
+        self.flag_device = torch.device("cpu") if self.device.type == "meta" else self.device
 
         # Mixed precision (Section 3.1): the model computes in param_dtype; with a 16-bit
         # param_dtype the optimizer updates an fp32 master copy of its partition, so K = 12
@@ -265,7 +268,7 @@ class ZeroOptimizer:
         # A parameter unused on every rank in every micro-batch keeps no gradient (the
         # optimizer skips it, as with DDP's find_unused_parameters=True); one used anywhere
         # gets the average.
-        used = torch.tensor(self.used, dtype=torch.int32, device=self.device)
+        used = torch.tensor(self.used, dtype=torch.int32, device=self.flag_device)
         dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)  # (n_trainable,) flags
         self.used_anywhere = [u or v for u, v in zip(self.used_anywhere, used.bool().tolist())]
         if self.stage == 3:
@@ -318,22 +321,34 @@ class ZeroOptimizer:
                 at += b - a
 
     def _install_gather_hooks(self):
+        owners = {}
         for m in self.module.modules():
             own = list(m.parameters(recurse=False))
+            for p in own:
+                owners[p] = owners.get(p, 0) + 1
             if own:
                 m.register_forward_pre_hook(lambda mod, args, own=own: self._pre_forward(own))
                 m.register_forward_hook(lambda mod, args, out, own=own: self._post_forward(own, out))
+        # A parameter owned by several modules (a tied embedding and output layer) stays
+        # gathered from its first use to the end of the whole forward: one gather, not one per
+        # module, so forward moves Ψ and no more.
+        self.shared = {p for p, n in owners.items() if n > 1}
+        self.module.register_forward_hook(lambda mod, args, out: self._release(self.shared))
 
     def _pre_forward(self, own):
         self._gather(own)
         for p in own:
             self.refcount[self.index[p]] += 1
 
+    def _release(self, params):
+        for p in params:
+            if self.refcount[self.index[p]] == 0:
+                self._free(p)
+
     def _post_forward(self, own, out):
         for p in own:
             self.refcount[self.index[p]] -= 1
-            if self.refcount[self.index[p]] == 0:
-                self._free(p)
+        self._release([p for p in own if p not in self.shared])
         if torch.is_grad_enabled():  # gather again when backward reaches this module
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -380,7 +395,7 @@ class ZeroOptimizer:
                 dist.all_gather_single(full, grads, group=self.group)  # (padded_numel,)
                 grads = full
             grads = grads.to(self.master_dtype or self.param_dtype)
-            found_inf = torch.zeros((), device=self.device)
+            found_inf = torch.zeros((), device=self.flag_device)
             if self.scaler:
                 found_inf = (~grads.isfinite()).any().float()
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)  # any rank's shard
@@ -469,7 +484,8 @@ class ZeroOptimizer:
         tensors += [getattr(self, n) for n in ("flat_param", "param_shard", "master", "flat_grad", "grad_shard")
                     if hasattr(self, n)]
         tensors += [v for state in self.optim.state.values() for v in state.values() if torch.is_tensor(v)]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        # keyed by the storage itself (_cdata), not data_ptr, which is 0 for every meta tensor
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                     for t in tensors if t.untyped_storage().nbytes() > 0}
         return sum(storages.values())
 
