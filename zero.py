@@ -16,11 +16,14 @@ Every stage gives the same bits as torch's DistributedDataParallel: gradients ar
 rank order, ((g_0 + g_1) + g_2) + ..., then divided by Nd, whatever the bucket sizes or the
 stage (test_zero.py proves it). Run the tests with `python -m pytest -n 2 test_zero.py`.
 """
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
@@ -305,20 +308,31 @@ class ZeroOptimizer:
             parts = [(p, max(self.offsets[self.index[p]], j_lo), min(self.offsets[self.index[p] + 1], j_hi))
                      for p in todo]
             parts = [(p, a, b) for p, a, b in parts if a < b]
-            if not parts:
-                continue
-            if j == self.rank:
-                buf = torch.cat([self.param_shard[a - self.lo:b - self.lo] for p, a, b in parts])
-            else:
-                buf = torch.empty(sum(b - a for p, a, b in parts), dtype=self.param_dtype, device=self.device)
-            dist.broadcast(buf, group_src=j, group=self.group)  # owner j's parts (sum of lengths,)
-            at = 0
-            for p, a, b in parts:
-                start = a - self.offsets[self.index[p]]
-                # .data: writing the parameter's storage must not look like an in-place change
-                # to the autograd graph that saved it
-                p.data.view(-1)[start:start + b - a].copy_(buf[at:at + b - a])
-                at += b - a
+            # C_B (Section 6.2): in broadcasts of at most bucket_numel elements, whatever the size
+            while parts:
+                chunk, room = [], self.bucket_numel
+                while parts and room:
+                    p, a, b = parts.pop(0)
+                    if b - a > room:  # split: the rest goes in the next broadcast
+                        parts.insert(0, (p, a + room, b))
+                        b = a + room
+                    chunk.append((p, a, b))
+                    room -= b - a
+                self._broadcast_chunk(j, chunk)
+
+    def _broadcast_chunk(self, owner, chunk):
+        if owner == self.rank:
+            buf = torch.cat([self.param_shard[a - self.lo:b - self.lo] for p, a, b in chunk])
+        else:
+            buf = torch.empty(sum(b - a for p, a, b in chunk), dtype=self.param_dtype, device=self.device)
+        dist.broadcast(buf, group_src=owner, group=self.group)  # (at most bucket_numel,) from the owner
+        at = 0
+        for p, a, b in chunk:
+            start = a - self.offsets[self.index[p]]
+            # .data: writing the parameter's storage must not look like an in-place change
+            # to the autograd graph that saved it
+            p.data.view(-1)[start:start + b - a].copy_(buf[at:at + b - a])
+            at += b - a
 
     def _install_gather_hooks(self):
         owners = {}
@@ -348,7 +362,8 @@ class ZeroOptimizer:
     def _post_forward(self, own, out):
         for p in own:
             self.refcount[self.index[p]] -= 1
-        self._release([p for p in own if p not in self.shared])
+        if not self.in_backward:  # a forward recomputed in backward (P_a) keeps them for backward
+            self._release([p for p in own if p not in self.shared])
         if torch.is_grad_enabled():  # gather again when backward reaches this module
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -542,6 +557,80 @@ class ZeroOptimizer:
             result[names[p]] = {k: full[k][self.offsets[i]:self.offsets[i + 1]].view(p.shape).clone()
                                 if isinstance(v, str) else v for k, v in keys.items()}
         return result
+
+
+# -----------------------------------------------------------------------------------------
+# Section 6.1 -- ZeRO-R, P_a: partitioned activation checkpointing.
+# Checkpointing keeps only each block's input and recomputes the block in backward. With
+# model parallelism that input is replicated on every MP rank; P_a keeps 1/MP of it on each
+# rank and all-gathers it just before the recomputation (one all-gather of batch x seq x
+# hidden per block). P_a+cpu moves the kept part to CPU memory. M_D (Section 6.3): the parts
+# live in one pre-allocated buffer, so these long-lived tensors do not interleave with the
+# short-lived ones in memory.
+# -----------------------------------------------------------------------------------------
+class ActivationCheckpointing:
+    """Checkpoint each of `blocks` (modules called as block(x)): partition=True is P_a over
+    tp_group, cpu=True is P_a+cpu, contiguous=True is M_D for the checkpoints."""
+
+    def __init__(self, blocks, tp_group=None, partition=False, cpu=False, contiguous=False):
+        self.blocks = list(blocks)
+        self.tp_group, self.partition, self.cpu, self.contiguous = tp_group, partition, cpu, contiguous
+        self.tp = dist.get_world_size(tp_group) if partition and tp_group is not None else 1
+        self.tp_rank = dist.get_rank(tp_group) if self.tp > 1 else 0
+        self.arena, self.busy = None, [False] * len(self.blocks)
+        for i, block in enumerate(self.blocks):
+            block.forward = functools.partial(self._forward, i, block.forward)
+
+    def _forward(self, i, forward, x):
+        if not torch.is_grad_enabled():  # nothing to save for a backward
+            return forward(x)
+        shape, device, requires_grad = x.shape, x.device, x.requires_grad
+        holder = [x]  # the whole input, for this forward only
+
+        def run(part):
+            if holder[0] is not None:
+                return forward(holder[0])
+            # the recomputation in backward: the input again, from the kept part
+            return forward(self._restore(i, part, shape, device).requires_grad_(requires_grad))
+
+        y = torch.utils.checkpoint.checkpoint(run, self._keep(i, x), use_reentrant=False)
+        holder[0] = None
+        return y
+
+    def _keep(self, i, x):
+        part = x.detach().reshape(-1)  # (B*T*C,)
+        if self.tp > 1:  # P_a: (B*T*C,) -> my (ceil(B*T*C / tp),) slice
+            n = math.ceil(part.numel() / self.tp)
+            part = F.pad(part, (0, n * self.tp - part.numel()))[self.tp_rank * n:(self.tp_rank + 1) * n]
+        if not (self.contiguous or self.cpu or self.tp > 1):
+            return part  # plain checkpointing: keep the input itself
+        device = torch.device("cpu") if self.cpu else part.device
+        if self.contiguous:  # M_D: slot i of one buffer for all blocks
+            if self.arena is None or self.arena.shape[1] != part.numel() or self.arena.device != device:
+                self.arena = torch.empty(len(self.blocks), part.numel(), dtype=part.dtype, device=device,
+                                         pin_memory=self.cpu and part.is_cuda)
+            if not self.busy[i]:
+                self.busy[i] = True
+                slot = self.arena[i]
+                # .data: filling slot i must not bump the version the other slots were saved at
+                slot.data.copy_(part, non_blocking=True)
+                return slot
+        return part.to(device, copy=True)  # P_a's own copy, so the whole input can be freed
+
+    def _restore(self, i, part, shape, device):
+        self.busy[i] = False
+        part = part.to(device, non_blocking=True)
+        if self.tp == 1:
+            return part[:math.prod(shape)].view(shape)
+        full = part.new_empty(self.tp * part.numel())
+        dist.all_gather_single(full, part, group=self.tp_group)  # (tp * n,): each rank sends n
+        return full[:math.prod(shape)].view(shape)  # (B, T, C)
+
+
+def checkpoint_activations(blocks, tp_group=None, partition=False, cpu=False, contiguous=False):
+    """Activation checkpointing for `blocks` (e.g. a GPT's transformer blocks): plain, P_a
+    (partition=True, over tp_group), P_a+cpu (cpu=True), with M_D buffers (contiguous=True)."""
+    return ActivationCheckpointing(blocks, tp_group, partition, cpu, contiguous)
 
 
 # -----------------------------------------------------------------------------------------

@@ -1,0 +1,166 @@
+"""ZeRO-R (paper Section 6): P_a, P_a+cpu, C_B and M_D.
+
+    python -m pytest -n 2 test_zero_r.py
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zero
+from gpt import GPT, GPTConfig, make_mesh
+from test_zero import live_storages
+
+CONFIG = GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=4, n_embd=32)
+B, T = 3, 16
+MODES = {"full": dict(), "P_a": dict(partition=True), "P_a+cpu": dict(partition=True, cpu=True),
+         "P_a+cpu+M_D": dict(partition=True, cpu=True, contiguous=True)}
+
+
+def batch(step, dp_group):
+    g = torch.Generator().manual_seed(10 * step + dist.get_rank(dp_group))
+    return torch.randint(0, 64, (B, T), generator=g), torch.randint(0, 64, (B, T), generator=g)
+
+
+def train(stage, mode, dp, tp, steps=3):
+    dp_group, tp_group = make_mesh(dp=dp, tp=tp)
+    model = GPT(CONFIG, tp_group, seed=0)
+    if mode is not None:
+        zero.checkpoint_activations(model.h, tp_group=tp_group, **MODES[mode])
+    model, opt = zero.initialize(model, torch.optim.AdamW, stage=stage, group=dp_group, lr=1e-2)
+    losses, states = [], []
+    for step in range(steps):
+        x, y = batch(step, dp_group)
+        loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        states.append(zero.full_state_dict(model))
+    return losses, states
+
+
+def on_rank_checkpointing_is_exact(stage, mode):
+    want_losses, want_states = train(stage, None, dp=2, tp=2)
+    losses, states = train(stage, mode, dp=2, tp=2)
+    bad = [f"loss {i}" for i, (a, b) in enumerate(zip(losses, want_losses)) if not torch.equal(a, b)]
+    bad += [f"step {i} {k}" for i, (s, w) in enumerate(zip(states, want_states)) for k in w if not torch.equal(s[k], w[k])]
+    return bad
+
+
+@pytest.mark.xdist_group("world4")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_checkpointing_gives_the_same_bits_at_tp2_x_dp2(world, stage, mode):
+    """Recomputation is deterministic: losses and weights torch.equal to the run without it."""
+    assert world(4).run(on_rank_checkpointing_is_exact, stage, mode) == [[]] * 4
+
+
+# -----------------------------------------------------------------------------------------
+# P_a keeps 1/tp of each block's input
+# -----------------------------------------------------------------------------------------
+def on_rank_activation_bytes_after_forward(mode):
+    dp_group, tp_group = make_mesh(dp=1, tp=2)
+    model = GPT(CONFIG, tp_group, seed=0)
+    if mode != "none":
+        zero.checkpoint_activations(model.h, tp_group=tp_group, **MODES[mode])
+    model, opt = zero.initialize(model, torch.optim.AdamW, stage=0, group=dp_group, lr=1e-2)
+    x, y = batch(0, dp_group)
+    before = live_storages()
+    loss = model(x, y)[1]
+    after = live_storages()  # what forward keeps for backward
+    kept = sum(s.nbytes() for ptr, s in after.items() if ptr not in before)
+    loss.backward()
+    return kept
+
+
+@pytest.mark.xdist_group("world2")
+def test_partitioned_checkpoints_are_one_tp_th_of_full_ones(world):
+    """Bytes alive after forward, found by walking every live tensor: full checkpointing keeps
+    each block's (B, T, C) input; P_a keeps 1/tp of it, so the difference is exactly
+    n_layer x (1 - 1/tp) x B*T*C*4 bytes (tp = 2). Checkpointing itself saves a lot more."""
+    kept = {mode: world(2).run(on_rank_activation_bytes_after_forward, mode)[0] for mode in ("none", "full", "P_a")}
+    block_input = B * T * CONFIG.n_embd * 4
+    assert kept["full"] - kept["P_a"] == CONFIG.n_layer * (block_input - math.ceil(block_input / 2 / 4) * 4)
+    assert kept["none"] > 2 * kept["full"], kept
+
+
+# -----------------------------------------------------------------------------------------
+# C_B: every buffer zero hands a collective is bounded by the bucket size, whatever Ψ
+# -----------------------------------------------------------------------------------------
+def on_rank_largest_temporary_buffer(stage, width, bucket_numel):
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+    model, opt = zero.initialize(mlp, torch.optim.AdamW, stage=stage, bucket_numel=bucket_numel, lr=1e-3)
+    persistent = {getattr(opt, n).untyped_storage()._cdata for n in ("flat_param", "param_shard", "flat_grad",
+                                                                       "grad_shard") if hasattr(opt, n)}
+    largest = []
+    real = {name: getattr(dist, name) for name in ("all_to_all_single", "all_gather_single", "broadcast")}
+
+    def wrap(name):
+        def counted(*tensors, **kwargs):
+            largest.extend(t.numel() for t in tensors if torch.is_tensor(t)
+                           and t.untyped_storage()._cdata not in persistent)
+            return real[name](*tensors, **kwargs)
+        return counted
+
+    for name in real:
+        setattr(dist, name, wrap(name))
+    try:
+        for step in range(2):
+            F.mse_loss(model(torch.randn(4, width)), torch.randn(4, width)).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return max(largest), sum(p.numel() for p in mlp.parameters())
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_temporary_communication_buffers_are_bounded_by_the_bucket(world, stage):
+    """Two models whose Ψ differ by over 10x, one bucket size: the largest temporary buffer
+    handed to a collective (not a view of the persistent flat buffers) is at most Nd buckets
+    (the all-to-all's receive buffer: one bucket's share from each rank), for both."""
+    bucket_numel, nd = 1000, 2
+    small, psi_small = world(2).run(on_rank_largest_temporary_buffer, stage, 16, bucket_numel)[0]
+    large, psi_large = world(2).run(on_rank_largest_temporary_buffer, stage, 64, bucket_numel)[0]
+    assert psi_large > 10 * psi_small > 10 * bucket_numel
+    assert small <= nd * bucket_numel and large <= nd * bucket_numel, (small, large)
+
+
+# -----------------------------------------------------------------------------------------
+# M_D: the long-lived tensors are views into pre-allocated contiguous buffers
+# -----------------------------------------------------------------------------------------
+def on_rank_long_lived_tensors_are_views(stage):
+    dp_group, tp_group = make_mesh(dp=1, tp=2)
+    model = GPT(CONFIG, tp_group, seed=0)
+    ckpt = zero.checkpoint_activations(model.h, tp_group=tp_group, partition=True, contiguous=True)
+    model, opt = zero.initialize(model, torch.optim.AdamW, stage=stage, group=dp_group, lr=1e-2)
+    problems, grad_storages = [], set()
+    for step in range(2):
+        x, y = batch(step, dp_group)
+        loss = model(x, y)[1]
+        arena = ckpt.arena.untyped_storage()._cdata
+        part_bytes = math.ceil(B * T * CONFIG.n_embd / 2) * 4
+        elsewhere = [s for s in live_storages().values() if s.nbytes() == part_bytes and s._cdata != arena]
+        if ckpt.busy != [True] * CONFIG.n_layer or ckpt.arena.shape[0] != CONFIG.n_layer or elsewhere:
+            problems.append(f"step {step}: checkpoints not all in one arena of {CONFIG.n_layer} slots")
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        grad_storages |= {piece.grad.untyped_storage()._cdata for piece, *_ in opt.pieces if piece.grad is not None}
+        opt.zero_grad()
+    if grad_storages != {opt.grad_shard.untyped_storage()._cdata}:
+        problems.append(f"the gradient partition is not one persistent buffer: {len(grad_storages)} storages")
+    return problems
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_md_long_lived_tensors_are_views_into_contiguous_buffers(world, stage):
+    assert world(2).run(on_rank_long_lived_tensors_are_views, stage) == [[], []]
