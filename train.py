@@ -15,7 +15,6 @@ import json
 import math
 import os
 import pathlib
-import resource
 import sysconfig
 import time
 
@@ -40,12 +39,17 @@ def parse_args(argv=None):
                    help="the dtype the model computes in; 16-bit keeps fp32 master weights in the optimizer shard")
     p.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step (each of --batch_size)")
     p.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
+    p.add_argument("--checkpoint", default="none", choices=["none", "full", "P_a", "P_a+cpu"],
+                   help="activation checkpointing of the transformer blocks (ZeRO-R, Section 6.1)")
+    p.add_argument("--contiguous", action="store_true", help="M_D: keep the checkpoints in one pre-allocated buffer")
+    p.add_argument("--bucket_numel", type=int, default=zero.DEFAULT_BUCKET_NUMEL,
+                   help="C_B: elements per communication bucket")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--eval_every", type=int, default=100, help="validation loss every this many steps")
     p.add_argument("--data", default=None, help="a text file (default: the Python standard library's source)")
     p.add_argument("--out", default=None, help="write the run's log as JSON to this file")
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len", "eval_every", "tp", "grad_accum"):
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "tp", "grad_accum", "bucket_numel"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1 (got {getattr(args, name)})")
     if args.seq_len > PRESETS[args.model].block_size:
@@ -97,10 +101,6 @@ def lr_at(step, args):
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def peak_mb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e6
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3  # peak resident set (Linux: KB)
 
 
 def main(argv=None):
@@ -122,14 +122,22 @@ def main(argv=None):
     if len(val_data) <= args.seq_len + 1:
         raise SystemExit(f"the corpus ({len(data)} bytes) is too short for --seq_len {args.seq_len}")
 
+    # memory on CPU is counted from the tensors alive; the corpus is not the model's
+    baseline = zero.live_tensor_bytes() if device.type == "cpu" else 0
+
     # model: every tp rank keeps its slice of the seed's weights; ZeRO shards it over dp ranks
     config = PRESETS[args.model]
     model = GPT(config, tp_group=tp_group if args.tp > 1 else None, seed=args.seed, device=device)
+    if args.checkpoint != "none":
+        zero.checkpoint_activations(model.h, tp_group=tp_group if args.tp > 1 else None,
+                                    partition=args.checkpoint.startswith("P_a"), cpu=args.checkpoint == "P_a+cpu",
+                                    contiguous=args.contiguous)
+    memory = zero.MemoryHooks(model, every_module=False)  # the root's forward and backward, on measured steps
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     model, optimizer = zero.initialize(model, torch.optim.AdamW, stage=args.stage, group=dp_group,
                                        param_groups=[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
-                                       param_dtype=getattr(torch, args.dtype),
+                                       param_dtype=getattr(torch, args.dtype), bucket_numel=args.bucket_numel,
                                        lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     log(f"{backend} on {device.type} | world {world} = dp {dp} x tp {args.tp} | ZeRO stage {args.stage} | {args.dtype} | "
         f"model {args.model}: {num_params(config) / 1e6:.2f}M parameters | corpus {len(data) / 1e6:.1f} MB")
@@ -141,8 +149,11 @@ def main(argv=None):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         batches = [get_batch(train_data, args.batch_size, args.seq_len, gen, device) for _ in range(args.grad_accum)]
+        measure = step == 0 or (step + 1) % args.eval_every == 0  # on CPU each record walks every tensor
+        memory.records, memory.recording = [], measure
         if device.type == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         step_loss = torch.zeros((), device=device)
         for x, y in batches:  # micro-batches: each backward adds its averaged gradient to the shard
@@ -150,6 +161,7 @@ def main(argv=None):
             optimizer.backward(loss / args.grad_accum)  # loss.backward(), times the loss scale in fp16
             step_loss += loss.detach() / args.grad_accum
         state_mb = zero.model_state_bytes(model) / 1e6  # after backward: parameters, gradients, states
+        memory.record("backward end", "")
         if args.grad_clip > 0:
             optimizer.clip_grad_norm_(args.grad_clip)
         stepped = optimizer.step()  # False: fp16 overflow, step skipped on every rank
@@ -157,13 +169,25 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1000
+        memory.recording = False
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device) / 1e6
+        elif measure:  # CPU: the largest live-tensor total seen at a module boundary
+            peak = (memory.peak() - baseline) / 1e6
+        if step == 0:
+            starts = [r[2] for r in memory.records if r[:2] == ("forward start", "")]
+            ends = [r[2] for r in memory.records if r[:2] == ("forward end", "")]
+            log(f"memory at step 0 ({'CUDA allocator' if device.type == 'cuda' else 'live tensors'}): "
+                f"activations kept at the end of forward {(ends[0] - starts[0]) / 1e6:.2f} MB/rank "
+                f"(checkpointing: {args.checkpoint}) | peak {(memory.peak() - baseline) / 1e6:.2f} MB/rank")
         mean_loss = step_loss.clone()
         dist.all_reduce(mean_loss, group=dp_group)  # the loss of the whole batch, over dp ranks
         mean_loss = mean_loss.item() / dp
         history.append(dict(step=step, loss=mean_loss, ms=ms, tokens_per_s=tokens_per_step / ms * 1000,
-                            model_state_mb=state_mb, peak_mb=peak_mb(device)))
+                            model_state_mb=state_mb, peak_mb=peak))
         log(f"step {step:4d} | loss {mean_loss:.4f} | {ms:7.1f} ms | {tokens_per_step / ms * 1000:8.0f} tok/s | "
-            f"model states {state_mb:6.2f} MB/rank | peak {history[-1]['peak_mb']:6.0f} MB/rank"
+            f"model states {state_mb:6.2f} MB/rank | peak {history[-1]['peak_mb']:6.2f} MB/rank"
+            + (" (measured: slower step)" if measure and device.type == "cpu" else "")
             + ("" if stepped else f" | overflow: step skipped, loss scale now {optimizer.loss_scale:g}"))
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
             val = evaluate(model, val_data, args, device, dp_group, dp)

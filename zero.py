@@ -17,7 +17,9 @@ rank order, ((g_0 + g_1) + g_2) + ..., then divided by Nd, whatever the bucket s
 stage (test_zero.py proves it). Run the tests with `python -m pytest -n 2 test_zero.py`.
 """
 import functools
+import gc
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,59 @@ DEFAULT_BUCKET_NUMEL = 2**22  # elements per gradient bucket (16 MB in fp32)
 def _overlap(a, b, c, d):
     """Length of the intersection of the ranges [a, b) and [c, d)."""
     return max(0, min(b, d) - max(a, c))
+
+
+# -----------------------------------------------------------------------------------------
+# Section 3 -- where the memory goes: model states (parameters, gradients, optimizer states)
+# and residual states (activations, temporary buffers, fragmentation). MemoryHooks records
+# memory at every module boundary: from the caching allocator on CUDA; on CPU, where
+# torch.cuda.memory_allocated() is always 0, from the bytes of the tensors alive.
+# -----------------------------------------------------------------------------------------
+def live_tensor_bytes():
+    """Bytes of every tensor storage alive in this process (and of every .grad), each once."""
+    gc.collect()
+    storages = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reading .grad of a non-leaf warns
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                for t in (obj, obj.grad):
+                    if t is not None:
+                        storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+class MemoryHooks:
+    """records: (phase, module name, allocated, reserved) at each module's forward start and
+    end and backward start (every_module=False: the root's only), while `recording` is True.
+    On CPU each record walks every live tensor, a fraction of a second: record a few steps,
+    not all. On CUDA it reads the allocator, and reserved - allocated is the fragmentation
+    M_D fights; torch.cuda.max_memory_allocated() also sees between the boundaries."""
+
+    def __init__(self, module, every_module=True):
+        self.records, self.recording = [], False
+        for name, m in module.named_modules() if every_module else [("", module)]:
+            m.register_forward_pre_hook(lambda mod, args, name=name: self.record("forward start", name))
+            m.register_forward_hook(lambda mod, args, out, name=name: self._forward_end(name, out))
+
+    def _forward_end(self, name, out):
+        self.record("forward end", name)
+        if self.recording and torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                tensors[0].register_hook(lambda grad: self.record("backward start", name))
+
+    def record(self, phase, name):
+        if not self.recording:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        else:
+            allocated = reserved = live_tensor_bytes()
+        self.records.append((phase, name, allocated, reserved))
+
+    def peak(self):
+        return max((r[2] for r in self.records), default=0)
 
 
 @dataclass
