@@ -21,15 +21,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 
 
-def on_rank_2d_zero_matches_ddp(stage):
+def on_rank_2d_zero_matches_ddp(stage, units=False):
     """tp 2 x dp 2: each tp rank's slice sharded by ZeRO over its dp group, against the same
     tp 2 model under DDP over the same dp group (2 ranks: DDP's own sum is exact there)."""
     dp_group, tp_group = make_mesh(dp=2, tp=2)
     reference = GPT(CONFIG, tp_group, seed=0)
     ddp = DDP(reference, process_group=dp_group)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    model, opt = zero.initialize(GPT(CONFIG, tp_group, seed=0), torch.optim.AdamW, stage=stage,
-                                 group=dp_group, lr=1e-2, weight_decay=0.1)
+    module = GPT(CONFIG, tp_group, seed=0)
+    model, opt = zero.initialize(module, torch.optim.AdamW, stage=stage, group=dp_group, lr=1e-2,
+                                 weight_decay=0.1, stage3_units=module.h if units else None)
     mismatches = []
     for step in range(4):
         g = torch.Generator().manual_seed(10 * step + dist.get_rank(dp_group))  # per dp rank; tp ranks share
@@ -49,9 +50,10 @@ def on_rank_2d_zero_matches_ddp(stage):
 
 
 @pytest.mark.xdist_group("world4")
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_zero_on_tp2_x_dp2_matches_ddp_bitwise(world, stage):
-    assert world(4).run(on_rank_2d_zero_matches_ddp, stage) == [[]] * 4
+@pytest.mark.parametrize("stage, units", [(0, False), (1, False), (2, False), (3, False), (3, True)],
+                         ids=["0", "1", "2", "3", "3-blocks-as-units"])
+def test_zero_on_tp2_x_dp2_matches_ddp_bitwise(world, stage, units):
+    assert world(4).run(on_rank_2d_zero_matches_ddp, stage, units) == [[]] * 4
 
 
 def run_train(tmp_path, nproc, *flags):

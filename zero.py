@@ -125,7 +125,7 @@ class ZeroOptimizer:
     # [r * shard_numel, (r + 1) * shard_numel). A parameter may straddle two ranks.
     # -------------------------------------------------------------------------------------
     def __init__(self, module, optimizer_class, stage, group, param_groups, bucket_numel,
-                 param_dtype, reduce_dtype, loss_scale, optimizer_kwargs):
+                 param_dtype, reduce_dtype, loss_scale, stage3_units, optimizer_kwargs):
         self.module, self.stage, self.group = module, stage, group
         self.nd, self.rank = dist.get_world_size(group), dist.get_rank(group)
         params = list(module.parameters())  # unique: a tied weight is listed once
@@ -235,7 +235,7 @@ class ZeroOptimizer:
             self.params[i].register_post_accumulate_grad_hook(self._grad_ready)
 
         if stage == 3:
-            self._install_gather_hooks()
+            self._install_gather_hooks(stage3_units or ())
         self.buffers = [b for b in module.buffers()]
         if self.buffers and self.nd > 1:
             module.register_forward_pre_hook(self._broadcast_buffers)
@@ -389,10 +389,16 @@ class ZeroOptimizer:
             p.data.view(-1)[start:start + b - a].copy_(buf[at:at + b - a])
             at += b - a
 
-    def _install_gather_hooks(self):
+    def _install_gather_hooks(self, units):
+        # A unit (e.g. a transformer block) gathers all the parameters below it at once: fewer,
+        # larger broadcasts. Any other module gathers the parameters it owns itself.
+        units = set(units)
+        inside = {sub for u in units for sub in u.modules() if sub is not u}
         owners = {}
         for m in self.module.modules():
-            own = list(m.parameters(recurse=False))
+            if m in inside:
+                continue
+            own = list(m.parameters(recurse=m in units))
             for p in own:
                 owners[p] = owners.get(p, 0) + 1
             if own:
@@ -692,7 +698,7 @@ def checkpoint_activations(blocks, tp_group=None, partition=False, cpu=False, co
 # Entry points
 # -----------------------------------------------------------------------------------------
 def initialize(module, optimizer_class, stage, group=None, param_groups=None, bucket_numel=DEFAULT_BUCKET_NUMEL,
-               param_dtype=None, reduce_dtype=None, loss_scale=None, **optimizer_kwargs):
+               param_dtype=None, reduce_dtype=None, loss_scale=None, stage3_units=None, **optimizer_kwargs):
     """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world).
 
     Returns (module, optimizer): the same module, now sharded and hooked, and the optimizer
@@ -704,6 +710,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     optimizer keeps fp32 master weights for its partition. reduce_dtype: the dtype gradients
     are summed in (default: param_dtype). loss_scale: fp16's loss scaling, a DynamicLossScale
     (the default for float16) or a number for a static scale; then call optimizer.backward(loss).
+    stage3_units: modules (e.g. transformer blocks) whose parameters stage 3 gathers together,
+    in one go before the unit's forward and backward; other modules gather their own.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("zero.initialize needs a process group: call torch.distributed.init_process_group"
@@ -753,7 +761,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be at least 1 (got {bucket_numel})")
     optimizer = ZeroOptimizer(module, optimizer_class, stage, group, param_groups, bucket_numel,
-                              param_dtype, reduce_dtype, loss_scale, optimizer_kwargs)
+                              param_dtype, reduce_dtype, loss_scale, stage3_units, optimizer_kwargs)
     module._zero = optimizer
     return module, optimizer
 
