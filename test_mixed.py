@@ -49,7 +49,26 @@ def inject_overflow(model, dtype_name, step, m):
     return None
 
 
-def reference(dtype_name, fp16_scale):
+def reduce_fp32_by_hand(model, trainable):
+    """What DDP cannot do for reduce_dtype=fp32 (its hook's result is written back into the
+    16-bit gradient): each rank's 16-bit gradient cast to fp32, gathered, summed in rank order
+    and divided by Nd, as fp32; None for a parameter no rank used (find_unused_parameters)."""
+    nd = dist.get_world_size()
+    used = torch.tensor([p.grad is not None for p, w in trainable], dtype=torch.int32)
+    dist.all_reduce(used, op=dist.ReduceOp.MAX)
+    reduced = []
+    for (p, w), u in zip(trainable, used.tolist()):
+        g = p.grad.float() if p.grad is not None else torch.zeros(p.shape)
+        parts = [torch.empty_like(g) for _ in range(nd)]
+        dist.all_gather(parts, g)
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total.add_(part)
+        reduced.append(total.div_(nd) if u else None)
+    return reduced  # fp32, in trainable's order
+
+
+def reference(dtype_name, fp16_scale, reduce32=False):
     dtype = DTYPES[dtype_name]
     model = make_model()
     for p in model.parameters():
@@ -59,8 +78,8 @@ def reference(dtype_name, fp16_scale):
     masters = [p.detach().clone() for p in model.parameters()]  # fp32, frozen ones too
     trainable = [(p, w) for p, w in zip(model.parameters(), masters) if p.requires_grad]
     model.to(dtype)
-    ddp = DDP(model, find_unused_parameters=True)
-    if dist.get_world_size() >= 3:
+    ddp = DDP(model, find_unused_parameters=True) if not reduce32 else model
+    if dist.get_world_size() >= 3 and not reduce32:
         ddp.register_comm_hook(None, rank_order_hook)
     opt = torch.optim.AdamW(groups([w for p, w in trainable]), **OPTIM)
     scale, clean = fp16_scale, 0
@@ -68,14 +87,17 @@ def reference(dtype_name, fp16_scale):
     for step in range(STEPS):
         summed, losses = [None] * len(trainable), []
         for m in range(MICRO):
+            if reduce32:  # DDP's buffer broadcast, by hand
+                dist.broadcast(model.seen, src=0)
             loss = loss_of(ddp, step, m)
             handle = inject_overflow(model, dtype_name, step, m)
             (loss * scale if scale else loss).backward()
             if handle:
                 handle.remove()
+            reduced = reduce_fp32_by_hand(model, trainable) if reduce32 else [p.grad for p, w in trainable]
             for j, (p, w) in enumerate(trainable):
-                if p.grad is not None:
-                    summed[j] = p.grad if summed[j] is None else summed[j] + p.grad
+                if reduced[j] is not None:
+                    summed[j] = reduced[j] if summed[j] is None else summed[j] + reduced[j]
                 p.grad = None
             losses.append(loss.detach())
         grads = [None if g is None else g.float() for g in summed]
@@ -105,14 +127,14 @@ def reference(dtype_name, fp16_scale):
     return trajectory
 
 
-def on_rank_mixed_matches_reference(stage, dtype_name):
+def on_rank_mixed_matches_reference(stage, dtype_name, reduce32=False):
     fp16_scale = 2.0**10 if dtype_name == "fp16" else None
-    ref = reference(dtype_name, fp16_scale)
+    ref = reference(dtype_name, fp16_scale, reduce32)
     module = make_model()
     loss_scale = zero.DynamicLossScale(init_scale=fp16_scale) if fp16_scale else None
     model, opt = zero.initialize(module, torch.optim.AdamW, stage=stage, param_groups=groups(
         [p for p in module.parameters() if p.requires_grad]), param_dtype=DTYPES[dtype_name],
-        loss_scale=loss_scale, bucket_numel=64, **OPTIM)
+        loss_scale=loss_scale, bucket_numel=64, reduce_dtype=torch.float32 if reduce32 else None, **OPTIM)
     mismatches = []
     for step, (ref_losses, ref_stepped, ref_norm, ref_scale, ref_state, ref_optim) in enumerate(ref):
         for m in range(MICRO):
@@ -149,6 +171,13 @@ def test_mixed_precision_accumulation_clipping_match_reference_bitwise(world, st
     overflow on one rank that every rank skips: losses, clip norms, loss scale, fp32 master
     weights and optimizer states torch.equal to the DDP-based reference."""
     assert world(nd).run(on_rank_mixed_matches_reference, stage, dtype_name) == [[]] * nd
+
+
+@pytest.mark.xdist_group("world4")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_with_fp32_reduction_matches_a_hand_written_reference_bitwise(world, stage):
+    """reduce_dtype=torch.float32 with bf16 parameters: the rank-order sum in fp32."""
+    assert world(4).run(on_rank_mixed_matches_reference, stage, "bf16", True) == [[]] * 4
 
 
 # -----------------------------------------------------------------------------------------
