@@ -125,8 +125,8 @@ class ZeroOptimizer:
     # [r * shard_numel, (r + 1) * shard_numel). A parameter may straddle two ranks.
     # -------------------------------------------------------------------------------------
     def __init__(self, module, optimizer_class, stage, group, param_groups, bucket_numel,
-                 param_dtype, reduce_dtype, loss_scale, stage3_units, optimizer_kwargs):
-        self.module, self.stage, self.group = module, stage, group
+                 param_dtype, reduce_dtype, loss_scale, stage3_units, prefetch, optimizer_kwargs):
+        self.module, self.stage, self.group, self.prefetch = module, stage, group, prefetch
         self.nd, self.rank = dist.get_world_size(group), dist.get_rank(group)
         params = list(module.parameters())  # unique: a tied weight is listed once
         self.params = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
@@ -330,6 +330,7 @@ class ZeroOptimizer:
         dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)  # (n_trainable,) flags
         self.used_anywhere = [u or v for u, v in zip(self.used_anywhere, used.bool().tolist())]
         if self.stage == 3:
+            self._finish_prefetch()
             for p in self.params:
                 self._free(p)
         self.micro_batches += 1
@@ -354,7 +355,8 @@ class ZeroOptimizer:
     def _free(p):
         p.untyped_storage().resize_(0)
 
-    def _gather(self, params):
+    def _gather(self, params, prefetch=False):
+        self._finish_prefetch()  # at most one gather in flight: complete it first
         todo = [p for p in params if p.numel() and p.untyped_storage().nbytes() == 0]
         for p in todo:
             p.untyped_storage().resize_(p.numel() * p.element_size())
@@ -373,14 +375,21 @@ class ZeroOptimizer:
                         b = a + room
                     chunk.append((p, a, b))
                     room -= b - a
-                self._broadcast_chunk(j, chunk)
+                self._broadcast_chunk(j, chunk, prefetch)
 
-    def _broadcast_chunk(self, owner, chunk):
+    def _broadcast_chunk(self, owner, chunk, prefetch):
         if owner == self.rank:
             buf = torch.cat([self.param_shard[a - self.lo:b - self.lo] for p, a, b in chunk])
         else:
             buf = torch.empty(sum(b - a for p, a, b in chunk), dtype=self.param_dtype, device=self.device)
-        dist.broadcast(buf, group_src=owner, group=self.group)  # (at most bucket_numel,) from the owner
+        # (at most bucket_numel,) from the owner; a prefetch is waited for at the next gather
+        work = dist.broadcast(buf, group_src=owner, group=self.group, async_op=prefetch)
+        if prefetch:
+            self.in_flight.append((work, buf, chunk))
+        else:
+            self._unpack(buf, chunk)
+
+    def _unpack(self, buf, chunk):
         at = 0
         for p, a, b in chunk:
             start = a - self.offsets[self.index[p]]
@@ -388,6 +397,20 @@ class ZeroOptimizer:
             # to the autograd graph that saved it
             p.data.view(-1)[start:start + b - a].copy_(buf[at:at + b - a])
             at += b - a
+
+    def _finish_prefetch(self):
+        for work, buf, chunk in self.in_flight:
+            work.wait()
+            self._unpack(buf, chunk)
+        self.in_flight = []
+
+    def _prefetch(self, own, step):
+        """Before: each unit's gather waited for its own forward or backward; now the next
+        unit's broadcasts (in the order the first forward ran them, reversed in backward) are
+        issued as this one starts, and overlap its compute."""
+        k = self.unit_position.get(id(own))
+        if self.prefetch and k is not None and 0 <= k + step < len(self.unit_order):
+            self._gather(self.unit_order[k + step], prefetch=True)
 
     def _install_gather_hooks(self, units):
         # A unit (e.g. a transformer block) gathers all the parameters below it at once: fewer,
@@ -408,12 +431,22 @@ class ZeroOptimizer:
         # gathered from its first use to the end of the whole forward: one gather, not one per
         # module, so forward moves Ψ and no more.
         self.shared = {p for p, n in owners.items() if n > 1}
-        self.module.register_forward_hook(lambda mod, args, out: self._release(self.shared))
+        self.module.register_forward_hook(lambda mod, args, out: self._end_forward())
+        self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, []
+
+    def _end_forward(self):
+        self._finish_prefetch()
+        self._release(self.shared)
+        self.order_known = True  # the units' order, from the first forward
 
     def _pre_forward(self, own):
         self._gather(own)
         for p in own:
             self.refcount[self.index[p]] += 1
+        if not self.order_known and id(own) not in self.unit_position:
+            self.unit_position[id(own)] = len(self.unit_order)
+            self.unit_order.append(own)
+        self._prefetch(own, +1)
 
     def _release(self, params):
         for p in params:
@@ -433,6 +466,7 @@ class ZeroOptimizer:
     def _pre_backward(self, own):
         self._begin_backward()
         self._gather(own)
+        self._prefetch(own, -1)
 
     # -------------------------------------------------------------------------------------
     # Buffers follow rank 0 at every training forward, as in DDP (broadcast_buffers=True).
@@ -698,7 +732,8 @@ def checkpoint_activations(blocks, tp_group=None, partition=False, cpu=False, co
 # Entry points
 # -----------------------------------------------------------------------------------------
 def initialize(module, optimizer_class, stage, group=None, param_groups=None, bucket_numel=DEFAULT_BUCKET_NUMEL,
-               param_dtype=None, reduce_dtype=None, loss_scale=None, stage3_units=None, **optimizer_kwargs):
+               param_dtype=None, reduce_dtype=None, loss_scale=None, stage3_units=None, prefetch=True,
+               **optimizer_kwargs):
     """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world).
 
     Returns (module, optimizer): the same module, now sharded and hooked, and the optimizer
@@ -712,6 +747,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     (the default for float16) or a number for a static scale; then call optimizer.backward(loss).
     stage3_units: modules (e.g. transformer blocks) whose parameters stage 3 gathers together,
     in one go before the unit's forward and backward; other modules gather their own.
+    prefetch: at stage 3, issue the next unit's gather while the current one computes.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("zero.initialize needs a process group: call torch.distributed.init_process_group"
@@ -761,7 +797,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be at least 1 (got {bucket_numel})")
     optimizer = ZeroOptimizer(module, optimizer_class, stage, group, param_groups, bucket_numel,
-                              param_dtype, reduce_dtype, loss_scale, stage3_units, optimizer_kwargs)
+                              param_dtype, reduce_dtype, loss_scale, stage3_units, prefetch, optimizer_kwargs)
     module._zero = optimizer
     return module, optimizer
 
