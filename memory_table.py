@@ -12,11 +12,15 @@ published one, and marks where they agree.
     python memory_table.py --formula --json     # the same rows as one JSON object
     .venv/bin/python -m pytest -q test_memory_table.py
 
---measure, --simulate and --comm (with --world and --model) are placeholders for later sections.
+    python memory_table.py --simulate           # zero.py itself at 7.5B / Nd 64 and 128B / Nd 256
+    python memory_table.py --simulate --sizes 1t   # 1T at Nd 1024 (slow: minutes per stage)
+
+--measure and --comm (with --world and --model) are placeholders for later sections.
 GB means 10^9 bytes throughout, as in the paper.
 """
 import argparse
 import json
+import time
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 
 from tabulate import tabulate
@@ -171,6 +175,78 @@ def formula_section(args):
     }
 
 
+# ---------------------------------------------------------------------------
+# Section 4 -- simulated at the paper's scale: gpt.py's 7.5B, 128B and 1T models on the meta
+# device (no memory) inside a fake process group of Nd ranks (collectives move no data),
+# running zero.py's own code as rank 0: initialize, one forward and backward, one step. The
+# bytes are counted from the tensors then alive (meta tensors have sizes, not data).
+# ---------------------------------------------------------------------------
+
+SIMULATED = [("7.5b", "7.5B", 64), ("128b", "128B", 256), ("1t", "1T", 1024)]
+
+
+def meta_model_state_bytes():
+    """Bytes of every meta tensor alive (and of its .grad), each storage once."""
+    import gc
+    import torch
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "meta":
+            for t in (obj, obj.grad):
+                if t is not None:
+                    storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def simulate(preset, nd, stage):
+    """Per-rank model-state bytes of zero.py at `stage` for a meta GPT on a fake world of nd."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import zero
+    from gpt import GPT, PRESETS
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=nd)
+    before = meta_model_state_bytes()  # what an earlier simulation may have left, not yet collected
+    try:
+        module = GPT(PRESETS[preset], device="meta")
+        psi = sum(p.numel() for p in module.parameters())
+        model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=stage, param_dtype=torch.bfloat16,
+                                           bucket_numel=2**28, stage3_units=module.h, lr=1e-4)
+        idx = torch.zeros(1, 8, dtype=torch.long, device="meta")
+        optimizer.backward(model(idx, idx)[1])
+        optimizer.step()  # the optimizer states exist from here on
+        optimizer.zero_grad()
+        optimizer.backward(model(idx, idx)[1])  # after backward, as in the paper's accounting
+        measured = meta_model_state_bytes() - before - idx.numel() * idx.element_size()
+        del model, optimizer, module
+        return psi, measured
+    finally:
+        dist.destroy_process_group()
+
+
+def simulate_section(args):
+    rows = []
+    for preset, paper_model, nd in [m for m in SIMULATED if m[0] in args.sizes]:
+        for stage in (1, 2, 3):
+            t0 = time.perf_counter()
+            psi, measured = simulate(preset, nd, stage)
+            formula = model_state_bytes(psi, nd, stage)
+            rows.append(dict(model=preset, psi=psi, nd=nd, stage=stage, name=STAGES[stage], measured_gb=measured / GB,
+                             formula_gb=formula / GB, ratio=measured / formula,
+                             published_gb=TABLE1_PUBLISHED[paper_model][nd][stage - 1],
+                             seconds=time.perf_counter() - t0))
+    table = [[r["model"], f"{r['psi'] / 1e9:.2f}B", r["nd"], r["name"], f"{r['measured_gb']:.4f}",
+              f"{r['formula_gb']:.4f}", f"{r['ratio']:.5f}", r["published_gb"], f"{r['seconds']:.1f}"] for r in rows]
+    headers = ["model", "Ψ", "Nd", "stage", "measured GB/rank", "formula GB", "ratio", "Table 1 (Ψ rounded)", "s"]
+    text = (tabulate(table, headers, disable_numparse=True) +
+            "\nmeasured: bytes of the meta tensors alive after backward on rank 0 of a fake world of Nd ranks,\n"
+            "zero.py's real partitioning (bf16 parameters and gradients, fp32 master + Adam: K = 12); formula:\n"
+            "Section 5 for gpt.py's exact Ψ; Table 1's cell is for the paper's round Ψ.")
+    return {"simulate": dict(heading="Simulated at the paper's scale: zero.py on meta models in a fake world",
+                             rows=rows, text=text)}
+
+
 def not_implemented(name):
     """TODO(issue 5, sections 3-5): replace each stub in SECTIONS with its real section."""
     def section(args):
@@ -181,7 +257,7 @@ def not_implemented(name):
 SECTIONS = {  # flag -> section, in the order they print
     "formula": formula_section,
     "measure": not_implemented("measure"),
-    "simulate": not_implemented("simulate"),
+    "simulate": simulate_section,
     "comm": not_implemented("comm"),
 }
 
@@ -193,6 +269,8 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true", help="one JSON object of every table's rows")
     parser.add_argument("--world", type=int, nargs="+", default=[1, 2, 4], help="world sizes (later sections)")
     parser.add_argument("--model", default="tiny", help="a gpt.py preset (later sections)")
+    parser.add_argument("--sizes", nargs="+", default=["7.5b", "128b"], choices=[m[0] for m in SIMULATED],
+                        help="models --simulate runs (1t at Nd 1024 takes about 5 minutes a stage here)")
     args = parser.parse_args(argv)
     chosen = [name for name in SECTIONS if getattr(args, name)] or list(SECTIONS)   # none given = all
     tables = {}

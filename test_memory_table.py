@@ -149,3 +149,18 @@ def test_main_with_no_section_flags_runs_every_section(capsys):
     tables = mt.main([])
     assert {"table1", "table2", "measure", "simulate", "comm"} <= set(tables)
     assert "Table 1 by formula" in capsys.readouterr().out
+
+
+def test_simulated_7_5b_at_nd_64_matches_the_formula_within_1_percent():
+    """zero.py's own partitioning of gpt.py's 7.5B model on the meta device, rank 0 of a fake world
+    of 64 (in a subprocess: the fake process group is process-wide). Formula, written here:
+    Section 5 with K = 12: P_os 2Ψ + 2Ψ + 12Ψ/Nd, P_os+g 2Ψ + 14Ψ/Nd, P_os+g+p 16Ψ/Nd."""
+    out = subprocess.run([sys.executable, "memory_table.py", "--simulate", "--sizes", "7.5b", "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout)["simulate"]["rows"]
+    assert [r["stage"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        psi, nd = r["psi"], 64
+        formula = {1: 4 * psi + 12 * psi / nd, 2: 2 * psi + 14 * psi / nd, 3: 16 * psi / nd}[r["stage"]]
+        assert abs(r["measured_gb"] * 1e9 / formula - 1) < 0.01, r
