@@ -392,9 +392,9 @@ class GPT(nn.Module):
         if targets is not None:
             flat = logits.view(-1, logits.size(-1)).float()              # (B*T, V/tp); the loss in fp32 even
             if self.tp_size == 1:                                         # when the model computes in 16 bits
-                loss = F.cross_entropy(flat, targets.view(-1), ignore_index=-1)
+                loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=-1)
             else:
-                loss = vocab_parallel_cross_entropy(flat, targets.view(-1), self.wte.vocab_start, self.tp_group)
+                loss = vocab_parallel_cross_entropy(flat, targets.reshape(-1), self.wte.vocab_start, self.tp_group)
             return logits, loss
         if self.tp_size > 1:  # all-gather the vocabulary slices: (B, 1, V/tp) x tp -> (B, 1, V); no autograd
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]

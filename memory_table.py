@@ -15,11 +15,15 @@ published one, and marks where they agree.
     python memory_table.py --simulate           # zero.py itself at 7.5B / Nd 64 and 128B / Nd 256
     python memory_table.py --simulate --sizes 1t   # 1T at Nd 1024 (slow: minutes per stage)
 
---measure and --comm (with --world and --model) are placeholders for later sections.
+    python memory_table.py --measure --comm --world 2 4   # real gloo ranks: bytes and traffic
 GB means 10^9 bytes throughout, as in the paper.
 """
 import argparse
+import collections
+import contextlib
 import json
+import math
+import warnings
 import time
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 
@@ -35,8 +39,9 @@ GB = 1e9                                              # bytes; the paper's GB
 #   baseline (2 + 2 + K)Ψ,  P_os 2Ψ + 2Ψ + KΨ/Nd,  P_os+g 2Ψ + (2 + K)Ψ/Nd,  P_os+g+p (2 + 2 + K)Ψ/Nd
 # ---------------------------------------------------------------------------
 
-def model_state_bytes(psi, nd, stage, K=12, param_bytes=2, grad_bytes=2):
-    """Bytes of model states on one device: psi parameters, data-parallel degree nd, ZeRO stage."""
+def model_state_terms(psi, nd, stage, K=12, param_bytes=2, grad_bytes=2):
+    """(parameter, gradient, optimizer-state) bytes on one device: psi parameters,
+    data-parallel degree nd, ZeRO stage."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3 (got {stage!r})")
     if nd < 1:
@@ -44,7 +49,12 @@ def model_state_bytes(psi, nd, stage, K=12, param_bytes=2, grad_bytes=2):
     params = param_bytes * psi / (nd if stage >= 3 else 1)   # fp16 parameters: split at P_os+g+p
     grads = grad_bytes * psi / (nd if stage >= 2 else 1)     # fp16 gradients: split from P_os+g
     optim = K * psi / (nd if stage >= 1 else 1)              # optimizer states: split from P_os
-    return params + grads + optim
+    return params, grads, optim
+
+
+def model_state_bytes(psi, nd, stage, K=12, param_bytes=2, grad_bytes=2):
+    """Bytes of model states on one device: psi parameters, data-parallel degree nd, ZeRO stage."""
+    return sum(model_state_terms(psi, nd, stage, K, param_bytes, grad_bytes))
 
 
 def agrees(ours, published_text):
@@ -185,20 +195,6 @@ def formula_section(args):
 SIMULATED = [("7.5b", "7.5B", 64), ("128b", "128B", 256), ("1t", "1T", 1024)]
 
 
-def meta_model_state_bytes():
-    """Bytes of every meta tensor alive (and of its .grad), each storage once."""
-    import gc
-    import torch
-    gc.collect()
-    storages = {}
-    for obj in gc.get_objects():
-        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "meta":
-            for t in (obj, obj.grad):
-                if t is not None:
-                    storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
 def simulate(preset, nd, stage):
     """Per-rank model-state bytes of zero.py at `stage` for a meta GPT on a fake world of nd."""
     import torch
@@ -207,7 +203,7 @@ def simulate(preset, nd, stage):
     import zero
     from gpt import GPT, PRESETS
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=nd)
-    before = meta_model_state_bytes()  # what an earlier simulation may have left, not yet collected
+    before = zero.live_tensor_bytes("meta")  # what an earlier simulation may have left, not yet collected
     try:
         module = GPT(PRESETS[preset], device="meta")
         psi = sum(p.numel() for p in module.parameters())
@@ -218,7 +214,7 @@ def simulate(preset, nd, stage):
         optimizer.step()  # the optimizer states exist from here on
         optimizer.zero_grad()
         optimizer.backward(model(idx, idx)[1])  # after backward, as in the paper's accounting
-        measured = meta_model_state_bytes() - before - idx.numel() * idx.element_size()
+        measured = zero.live_tensor_bytes("meta") - before - idx.numel() * idx.element_size()
         del model, optimizer, module
         return psi, measured
     finally:
@@ -247,18 +243,343 @@ def simulate_section(args):
                              rows=rows, text=text)}
 
 
-def not_implemented(name):
-    """TODO(issue 5, sections 3-5): replace each stub in SECTIONS with its real section."""
-    def section(args):
-        return {name: dict(heading=f"--{name}", rows=[], text=f"--{name}: not implemented yet")}
-    return section
+# ---------------------------------------------------------------------------
+# Real ranks: a launcher for the measured sections. run_on_ranks(nd, fn, *args) starts nd gloo
+# processes, runs the module-level fn(*args) on each and returns their results in rank order.
+# ---------------------------------------------------------------------------
+
+def _rank_main(rank, nd, port, fn, args, results):
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)   # nd ranks share the cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nd)
+    try:
+        results.put((rank, True, fn(*args)))
+    except BaseException:
+        import traceback
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(nd, fn, *args):
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, nd, port, fn, args, results)) for r in range(nd)]
+    for p in procs:
+        p.start()
+    out = {}
+    for _ in range(nd):
+        rank, ok, value = results.get(timeout=600)
+        if not ok:   # the other ranks may wait forever in a collective this one left
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"rank {rank} of {nd} failed:\n{value}")
+        out[rank] = value
+    for p in procs:
+        p.join()
+    return [out[r] for r in range(nd)]
+
+
+# ---------------------------------------------------------------------------
+# Section 3 -- measured on real ranks. A small GPT trained two steps with zero.py; after the
+# second backward (the paper's accounting point: parameters, gradients and optimizer states all
+# exist) every storage created since the model was built and still alive is sorted:
+#   gradients         the storages the second backward wrote or created (backward writes no
+#                     other model state; the activations it frees are gone by then)
+#   optimizer states  tensors in a live torch.optim.Optimizer's state, and its parameters in
+#                     another dtype than the model's (16-bit training's fp32 master: K = 12)
+#   parameters        the rest: the nn.Parameters' storages (stages 0-2) or the shard they
+#                     are gathered from (stage 3)
+# This reads torch's objects and the bytes themselves, not zero.py's bookkeeping.
+# ---------------------------------------------------------------------------
+
+DTYPES = {"fp32": ("float32", 4, 4, 8), "bf16": ("bfloat16", 2, 2, 12)}   # name, param, grad bytes, K
+
+
+def _bytes(storage):
+    import torch
+    return torch.empty(0, dtype=torch.uint8).set_(storage)   # (nbytes,) a view of the raw bytes
+
+
+def split_model_states(new, before_backward, dtype):
+    """(parameter, gradient, optimizer-state) bytes of the storages `new`, given a copy of each
+    storage's bytes taken just before the backward."""
+    import gc
+    import torch
+    grads = {s for s, st in new.items() if s not in before_backward or not torch.equal(_bytes(st), before_backward[s])}
+    optim = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # isinstance on torch.distributed.reduce_op warns
+        optimizers = [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)]
+    for o in optimizers:
+        optim |= {_storage(v) for state in o.state.values() for v in state.values() if torch.is_tensor(v)}
+        optim |= {_storage(p) for g in o.param_groups for p in g["params"] if p.dtype != dtype}
+    g_bytes = sum(st.nbytes() for s, st in new.items() if s in grads)
+    o_bytes = sum(st.nbytes() for s, st in new.items() if s in optim and s not in grads)
+    return sum(st.nbytes() for st in new.values()) - g_bytes - o_bytes, g_bytes, o_bytes
+
+
+def _storage(t):
+    return t.untyped_storage()._cdata
+
+
+def _config(preset):
+    """A gpt.py preset by name, or a GPTConfig as it is."""
+    from gpt import PRESETS
+    return PRESETS[preset] if isinstance(preset, str) else preset
+
+
+def measure_on_rank(stage, dtype_name, preset, batch_size=4, seq_len=64):
+    """One configuration on this rank: (Ψ, model-state split, activation bytes)."""
+    import torch
+    import torch.distributed as dist
+    import zero
+    from gpt import GPT, PRESETS
+    dtype, config = getattr(torch, DTYPES[dtype_name][0]), _config(preset)
+    before = zero.live_storages()   # held: no new storage can take one of their ids
+    module = GPT(config, seed=0)
+    psi = sum(p.numel() for p in module.parameters())
+    model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=stage, lr=1e-3,
+                                       param_dtype=None if dtype == torch.float32 else dtype,
+                                       stage3_units=module.h)
+    memory = zero.MemoryHooks(model, every_module=False)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    idx = torch.randint(config.vocab_size, (batch_size, seq_len + 1), generator=g)
+    before[_storage(idx)] = idx.untyped_storage()
+    for step in range(2):
+        memory.recording = step == 1
+        loss = model(idx[:, :-1], idx[:, 1:])[1]
+        if step == 1:
+            memory.recording = False
+            snapshot = {s: _bytes(st).clone() for s, st in zero.live_storages().items() if s not in before}
+        optimizer.backward(loss)
+        del loss
+        if step == 0:
+            optimizer.step()          # the optimizer states exist from here on
+            optimizer.zero_grad()
+    copies = {_storage(c) for c in snapshot.values()}
+    new = {s: st for s, st in zero.live_storages().items() if s not in before and s not in copies}
+    split = split_model_states(new, snapshot, dtype)
+    start, end = [next(r[2] for r in memory.records if r[0] == phase) for phase in ("forward start", "forward end")]
+    del model, optimizer, module, memory, new, snapshot
+    return psi, split, end - start
+
+
+def each_on_rank(fn, configs):
+    """fn(*config) for every config, on this rank."""
+    return [fn(*c) for c in configs]
+
+
+# ---------------------------------------------------------------------------
+# Section 7 -- communication volume: elements each rank sends in one training step (forward,
+# backward, step), counted by wrapping the torch.distributed collectives zero.py calls.
+# Convention (ring algorithms, as in the paper's Section 7): all_gather sends (n-1)/n of its
+# output from every rank; broadcast (n-1)/n of the tensor per rank on average (a pipelined
+# chain: every rank but the last forwards it); all_reduce 2(n-1)/n; all_to_all_single the
+# elements it sends to the other ranks (point to point, no convention needed).
+# ---------------------------------------------------------------------------
+
+class CommCounter:
+    """with CommCounter(group) as c: ... -> c.sent[(phase, collective)] elements (Fractions)."""
+    NAMES = ("all_to_all_single", "all_gather_single", "broadcast", "all_reduce")
+
+    def __init__(self, group=None):
+        import collections
+        self.group, self.phase, self.sent, self.saved = group, "", collections.Counter(), {}
+
+    def _count(self, name, tensor, *args, **kwargs):
+        import torch.distributed as dist
+        from fractions import Fraction
+        n = dist.get_world_size(self.group)
+        if name == "all_to_all_single":       # (output, input, output_splits, input_splits)
+            splits = args[2] if len(args) > 2 else kwargs.get("input_split_sizes")
+            sent = sum(splits) - splits[dist.get_rank(self.group)] if splits else args[0].numel() * (n - 1) // n
+        elif name == "all_gather_single":     # (output, input): output is n x input
+            sent = Fraction(n - 1, n) * tensor.numel()
+        elif name == "broadcast":
+            sent = Fraction(n - 1, n) * tensor.numel()
+        else:
+            sent = Fraction(2 * (n - 1), n) * tensor.numel()
+        self.sent[(self.phase, name)] += sent
+
+    def __enter__(self):
+        import torch.distributed as dist
+        for name in self.NAMES:
+            self.saved[name] = original = getattr(dist, name)
+
+            def wrapped(tensor, *args, _name=name, _original=original, **kwargs):
+                self._count(_name, tensor, *args, **kwargs)
+                return _original(tensor, *args, **kwargs)
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        for name, original in self.saved.items():
+            setattr(dist, name, original)
+
+
+def comm_on_rank(stage, preset, batch_size=2, seq_len=32):
+    """{(phase, collective): elements sent} in this rank's second training step; Ψ; padded Ψ."""
+    import torch
+    import torch.distributed as dist
+    import zero
+    from gpt import GPT, PRESETS
+    config = _config(preset)
+    module = GPT(config, seed=0)
+    model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=stage, lr=1e-3, stage3_units=module.h)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    idx = torch.randint(config.vocab_size, (batch_size, seq_len + 1), generator=g)
+    counter = CommCounter()
+    for step in range(2):   # the first step is a warm-up (stage 3 learns the units' order)
+        with counter if step == 1 else contextlib.nullcontext():
+            counter.phase = "forward"
+            loss = model(idx[:, :-1], idx[:, 1:])[1]
+            counter.phase = "backward"
+            loss.backward()
+            counter.phase = "step"
+            optimizer.step()
+        optimizer.zero_grad()
+    return dict(counter.sent)
+
+
+# ---------------------------------------------------------------------------
+# Section 6.1 -- activation memory with and without checkpointing and P_a, on 2 ranks as one
+# tensor-parallel group: what forward keeps for backward, per rank (live bytes at the end of
+# the root's forward minus at its start, from zero.MemoryHooks).
+# ---------------------------------------------------------------------------
+
+CHECKPOINTING = ["none", "full", "P_a", "P_a+cpu"]
+
+
+def activations_on_rank(checkpoint, preset, tp, batch_size=8, seq_len=128):
+    import torch
+    import torch.distributed as dist
+    import zero
+    from gpt import GPT, PRESETS, make_mesh
+    dp_group, tp_group = make_mesh(dist.get_world_size() // tp, tp)
+    module = GPT(PRESETS[preset], tp_group=tp_group if tp > 1 else None, seed=0)
+    model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=1, group=dp_group, lr=1e-3)
+    if checkpoint != "none":
+        zero.checkpoint_activations(model.h, tp_group=tp_group if tp > 1 else None,
+                                    partition=checkpoint.startswith("P_a"), cpu=checkpoint == "P_a+cpu")
+    memory = zero.MemoryHooks(model, every_module=False)
+    g = torch.Generator().manual_seed(dist.get_rank(dp_group))
+    idx = torch.randint(PRESETS[preset].vocab_size, (batch_size, seq_len + 1), generator=g)
+    memory.recording = True
+    loss = model(idx[:, :-1], idx[:, 1:])[1]
+    memory.recording = False
+    loss.backward()
+    start, end = [next(r[2] for r in memory.records if r[0] == phase) for phase in ("forward start", "forward end")]
+    return end - start
+
+
+def measure_section(args):
+    """Section 3 of issue 5: model states on real ranks, split and set beside the formula."""
+    from gpt import num_params, PRESETS
+    rows = []
+    for nd in args.world:
+        configs = [(stage, dt, args.model) for dt in DTYPES for stage in (0, 1, 2, 3)]
+        per_rank = run_on_ranks(nd, each_on_rank, measure_on_rank, configs)
+        for k, (stage, dt, model) in enumerate(configs):
+            _, param_bytes, grad_bytes, K = DTYPES[dt]
+            psi = per_rank[0][k][0]
+            formula = model_state_terms(psi, nd, stage, K, param_bytes, grad_bytes)
+            for rank, results in enumerate(per_rank):
+                split, activations = results[k][1], results[k][2]
+                rows.append(dict(nd=nd, rank=rank, stage=stage, name=STAGES[stage], dtype=dt, psi=psi,
+                                 params=split[0], grads=split[1], optim=split[2], total=sum(split),
+                                 formula_params=formula[0], formula_grads=formula[1], formula_optim=formula[2],
+                                 formula=sum(formula), ratio=sum(split) / sum(formula), activations=activations))
+    worst = {}   # the per-device figure: the rank holding the most
+    for r in rows:
+        key = (r["dtype"], r["nd"], r["stage"])
+        if key not in worst or r["total"] > worst[key]["total"]:
+            worst[key] = r
+    table = [[r["dtype"], r["nd"], r["name"]] +
+             [f"{r[k] / 1e6:.3f} / {r['formula_' + k] / 1e6:.3f}" for k in ("params", "grads", "optim")] +
+             [f"{r['total'] / 1e6:.3f}", f"{r['formula'] / 1e6:.3f}", f"{r['ratio']:.4f}", f"{r['activations'] / 1e6:.2f}"]
+             for r in worst.values()]
+    headers = ["dtype", "Nd", "stage", "params MB: measured / formula", "grads MB", "optimizer MB",
+               "model states MB", "formula MB", "ratio", "activations MB"]
+    psi = num_params(PRESETS[args.model])
+    text = (f"gpt.py '{args.model}' (Ψ = {psi:,}), AdamW, zero.py on Nd gloo ranks, after the second backward.\n" +
+            tabulate(table, headers, disable_numparse=True) +
+            "\nmeasured (the rank holding the most; --json has every rank): storages alive in the rank, sorted:\n"
+            "gradients = what the backward wrote or created; optimizer states = a torch.optim.Optimizer's state\n"
+            "and, in bf16, its fp32 master copy; parameters = the rest (nn.Parameters, or stage 3's shard).\n"
+            "formula: Section 5 with fp32 parameters and gradients (4 + 4 bytes, K = 8: momentum and variance) or\n"
+            "bf16 (2 + 2 bytes, K = 12: fp32 master, momentum, variance). Ratios above 1 are padding (the flat\n"
+            "space is padded to a multiple of Nd) and AdamW's 4-byte step counter per parameter piece.\n"
+            "activations: live bytes at the end of forward minus its start (what forward keeps for backward).")
+    sections = {"measure": dict(heading="Measured on real ranks: per-rank model states against the formula (Section 5)",
+                                rows=rows, text=text)}
+    if max(args.world) >= 2:   # Section 6.1: tensor parallel over 2 ranks
+        acts = run_on_ranks(2, each_on_rank, activations_on_rank, [(c, args.model, 2) for c in CHECKPOINTING])
+        rows = [dict(checkpoint=c, tp=2, rank=rank, activations=acts[rank][k]) for k, c in enumerate(CHECKPOINTING)
+                for rank in range(2)]
+        none = {r["rank"]: r["activations"] for r in rows if r["checkpoint"] == "none"}
+        table = [[r["checkpoint"], r["rank"], f"{r['activations'] / 1e6:.3f}", f"{r['activations'] / none[r['rank']]:.3f}"]
+                 for r in rows]
+        text = (tabulate(table, ["checkpointing", "rank", "activations MB", "vs none"], disable_numparse=True) +
+                f"\ngpt.py '{args.model}', batch 8 x 128 tokens, tp = 2 (Megatron), on 2 gloo ranks. full: the blocks'\n"
+                "inputs are kept and the blocks recomputed in backward; P_a keeps 1/tp of each input and all-gathers\n"
+                "it before recomputation; P_a+cpu keeps that part in CPU memory (the same memory on a CPU run).")
+        sections["activations"] = dict(heading="Activation memory per rank with checkpointing and P_a (Section 6.1)",
+                                       rows=rows, text=text)
+    return sections
+
+
+def comm_section(args):
+    """Section 5 of issue 5: elements each rank sends per step, as a multiple of Ψ."""
+    from fractions import Fraction
+    from gpt import PRESETS, num_params
+    psi = num_params(PRESETS[args.model])
+    rows = []
+    for nd in [n for n in args.world if n > 1]:
+        per_rank = run_on_ranks(nd, each_on_rank, comm_on_rank, [(stage, args.model) for stage in (0, 1, 2, 3)])
+        padded = math.ceil(psi / nd) * nd
+        ring = Fraction(nd - 1, nd)
+        for stage in (0, 1, 2, 3):
+            mean = collections.Counter()
+            for results in per_rank:
+                mean.update({k: v / nd for k, v in results[stage].items()})
+            data = {k: v for k, v in mean.items() if k[1] != "all_reduce"}
+            # Section 7: reduce-scatter Ψ, then all-gather of the padded flat space (stages 0-2:
+            # gradients at 0, updated parameters at 1-2) or gathers of Ψ in forward and backward (3)
+            expected = ring * psi + (ring * padded if stage < 3 else 2 * ring * psi)
+            phases = {p: sum(v for k, v in data.items() if k[0] == p) for p in ("forward", "backward", "step")}
+            rows.append(dict(nd=nd, stage=stage, name=STAGES[stage], psi=psi, **{p: float(v / psi) for p, v in phases.items()},
+                             measured=float(sum(data.values()) / psi), expected=float(expected / psi),
+                             exact=sum(data.values()) == expected, paper=(3 if stage == 3 else 2) * float(ring),
+                             control=float(sum(v for k, v in mean.items() if k[1] == "all_reduce")),
+                             collectives=sorted({k[1] for k in data})))
+    table = [[r["nd"], r["name"], f"{r['forward']:.6f}", f"{r['backward']:.6f}", f"{r['step']:.6f}",
+              f"{r['measured']:.6f}", f"{r['expected']:.6f} {'✓' if r['exact'] else '✗'}", f"{r['paper']:.6f}",
+              f"{r['control']:g}", " ".join(r["collectives"])] for r in rows]
+    headers = ["Nd", "stage", "forward Ψ", "backward Ψ", "step Ψ", "total Ψ", "expected Ψ", "paper (ring)",
+               "control elements", "collectives"]
+    text = (f"gpt.py '{args.model}' (Ψ = {psi:,}), AdamW, one training step after a warm-up, mean over ranks.\n" +
+            tabulate(table, headers, disable_numparse=True) +
+            "\nelements sent per rank / Ψ, counted by wrapping torch.distributed's collectives. Convention (ring,\n"
+            "as Section 7): all_gather and broadcast (n-1)/n of the tensor per rank, all_reduce 2(n-1)/n,\n"
+            "all_to_all the elements sent to other ranks. expected (✓ = equal as exact fractions): (n-1)/n x\n"
+            "(Ψ reduce-scatter + padded Ψ all-gather) for stages 0-2, (n-1)/n x 3Ψ for stage 3 (Section 7.2);\n"
+            "paper: 2Ψ and 3Ψ at the same (n-1)/n. control: the int32 used-parameter flags (all_reduce), not data.")
+    return {"comm": dict(heading="Communication volume per step (Section 7)", rows=rows, text=text)}
 
 
 SECTIONS = {  # flag -> section, in the order they print
     "formula": formula_section,
-    "measure": not_implemented("measure"),
+    "measure": measure_section,
     "simulate": simulate_section,
-    "comm": not_implemented("comm"),
+    "comm": comm_section,
 }
 
 
@@ -267,8 +588,8 @@ def main(argv=None):
     for name in SECTIONS:
         parser.add_argument(f"--{name}", action="store_true", help=f"print the {name} section")
     parser.add_argument("--json", action="store_true", help="one JSON object of every table's rows")
-    parser.add_argument("--world", type=int, nargs="+", default=[1, 2, 4], help="world sizes (later sections)")
-    parser.add_argument("--model", default="tiny", help="a gpt.py preset (later sections)")
+    parser.add_argument("--world", type=int, nargs="+", default=[1, 2, 4], help="world sizes --measure and --comm run")
+    parser.add_argument("--model", default="tiny", help="the gpt.py preset --measure and --comm train")
     parser.add_argument("--sizes", nargs="+", default=["7.5b", "128b"], choices=[m[0] for m in SIMULATED],
                         help="models --simulate runs (1t at Nd 1024 takes about 5 minutes a stage here)")
     args = parser.parse_args(argv)

@@ -50,18 +50,25 @@ def _overlap(a, b, c, d):
 # memory at every module boundary: from the caching allocator on CUDA; on CPU, where
 # torch.cuda.memory_allocated() is always 0, from the bytes of the tensors alive.
 # -----------------------------------------------------------------------------------------
-def live_tensor_bytes():
-    """Bytes of every tensor storage alive in this process (and of every .grad), each once."""
+def live_storages(device_type="cpu"):
+    """{storage id: storage} of every tensor storage alive on `device_type` (and of every
+    .grad), each storage once. Keyed by the storage itself: data_ptr() is 0 on the meta device
+    and raises for a storage freed with resize_(0). Holding the result keeps them alive."""
     gc.collect()
     storages = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # reading .grad of a non-leaf warns
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            if isinstance(obj, torch.Tensor) and obj.device.type == device_type:
                 for t in (obj, obj.grad):
                     if t is not None:
-                        storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-    return sum(storages.values())
+                        storages[t.untyped_storage()._cdata] = t.untyped_storage()
+    return storages
+
+
+def live_tensor_bytes(device_type="cpu"):
+    """Bytes of every tensor storage alive in this process on `device_type`, each once."""
+    return sum(s.nbytes() for s in live_storages(device_type).values())
 
 
 class MemoryHooks:
