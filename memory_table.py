@@ -1,19 +1,20 @@
 """
-memory_table.py -- the paper's memory tables, recomputed from its formulas and set beside the
-published numbers.
+memory_table.py -- the paper's memory tables, by its formulas, by measurement on real ranks and
+by simulation at its scale, set beside the published numbers.
 
 ZeRO (Rajbhandari et al. 2020) sizes every stage of ZeRO-DP by one formula per stage (Section 5,
 Figure 1). This file evaluates those formulas for the paper's Table 1 (per-device model-state
-memory) and Table 2 (largest model that fits on 32 GB devices), prints our value next to the
-published one, and marks where they agree.
+memory) and Table 2 (largest model that fits on 32 GB devices) and marks where they agree with
+the published cells; measures zero.py's model states, activations and communication on gloo
+ranks; and runs zero.py's own partitioning of 7.5B-1T models on the meta device in a fake world.
 
     python memory_table.py                      # every section
     python memory_table.py --formula            # Tables 1 and 2 by formula
     python memory_table.py --formula --json     # the same rows as one JSON object
     .venv/bin/python -m pytest -q test_memory_table.py
 
-    python memory_table.py --simulate           # zero.py itself at 7.5B / Nd 64 and 128B / Nd 256
-    python memory_table.py --simulate --sizes 1t   # 1T at Nd 1024 (slow: minutes per stage)
+    python memory_table.py --simulate           # zero.py itself at 7.5B / Nd 64, 128B / 256, 1T / 1024
+    python memory_table.py --simulate --sizes 1t   # one of them
 
     python memory_table.py --measure --comm --world 2 4   # real gloo ranks: bytes and traffic
 GB means 10^9 bytes throughout, as in the paper.
@@ -26,6 +27,7 @@ import math
 import warnings
 import time
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
+from fractions import Fraction
 
 from tabulate import tabulate
 
@@ -207,8 +209,10 @@ def simulate(preset, nd, stage):
     try:
         module = GPT(PRESETS[preset], device="meta")
         psi = sum(p.numel() for p in module.parameters())
+        # Before: 2**28-element buckets, and 1T at Nd 1024 took 320 s a stage (each bucket's
+        # rank-order fold is Nd meta adds). Now 2**32: meta buckets hold no bytes, 14 s a stage.
         model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=stage, param_dtype=torch.bfloat16,
-                                           bucket_numel=2**28, stage3_units=module.h, lr=1e-4)
+                                           bucket_numel=2**32, stage3_units=module.h, lr=1e-4)
         idx = torch.zeros(1, 8, dtype=torch.long, device="meta")
         optimizer.backward(model(idx, idx)[1])
         optimizer.step()  # the optimizer states exist from here on
@@ -340,7 +344,7 @@ def measure_on_rank(stage, dtype_name, preset, batch_size=4, seq_len=64):
     import torch
     import torch.distributed as dist
     import zero
-    from gpt import GPT, PRESETS
+    from gpt import GPT
     dtype, config = getattr(torch, DTYPES[dtype_name][0]), _config(preset)
     before = zero.live_storages()   # held: no new storage can take one of their ids
     module = GPT(config, seed=0)
@@ -379,44 +383,50 @@ def each_on_rank(fn, configs):
 # ---------------------------------------------------------------------------
 # Section 7 -- communication volume: elements each rank sends in one training step (forward,
 # backward, step), counted by wrapping the torch.distributed collectives zero.py calls.
-# Convention (ring algorithms, as in the paper's Section 7): all_gather sends (n-1)/n of its
-# output from every rank; broadcast (n-1)/n of the tensor per rank on average (a pipelined
-# chain: every rank but the last forwards it); all_reduce 2(n-1)/n; all_to_all_single the
-# elements it sends to the other ranks (point to point, no convention needed).
+# Convention (ring algorithms, as in the paper's Section 7): all_gather and reduce_scatter send
+# (n-1)/n of the full tensor from every rank; broadcast (n-1)/n of the tensor per rank on
+# average (a pipelined chain: every rank but the last forwards it); all_reduce 2(n-1)/n;
+# all_to_all_single the elements it sends to the other ranks (point to point: no convention).
 # ---------------------------------------------------------------------------
 
 class CommCounter:
-    """with CommCounter(group) as c: ... -> c.sent[(phase, collective)] elements (Fractions)."""
-    NAMES = ("all_to_all_single", "all_gather_single", "broadcast", "all_reduce")
+    """with CommCounter() as c: ... -> c.sent[(phase, collective)]: elements this rank sends under
+    the convention above (Fractions), c.bytes[...] the same in bytes. Wraps dist.<name> for every
+    name in SENT; torch's own nested calls go to distributed_c10d, so none is counted twice."""
+    SENT = {  # collective: (its tensor argument, elements sent by rank r of n for a tensor t)
+        "all_to_all_single": ("input", lambda a, t, n, r: sum(a["input_split_sizes"]) - a["input_split_sizes"][r]
+                              if a["input_split_sizes"] else Fraction(n - 1, n) * t.numel()),
+        "all_gather_single": ("input_tensor", lambda a, t, n, r: (n - 1) * t.numel()),
+        "all_gather_into_tensor": ("input_tensor", lambda a, t, n, r: (n - 1) * t.numel()),
+        "reduce_scatter_single": ("input", lambda a, t, n, r: Fraction(n - 1, n) * t.numel()),
+        "reduce_scatter_tensor": ("input", lambda a, t, n, r: Fraction(n - 1, n) * t.numel()),
+        "broadcast": ("tensor", lambda a, t, n, r: Fraction(n - 1, n) * t.numel()),
+        "all_reduce": ("tensor", lambda a, t, n, r: Fraction(2 * (n - 1), n) * t.numel()),
+    }
 
-    def __init__(self, group=None):
-        import collections
-        self.group, self.phase, self.sent, self.saved = group, "", collections.Counter(), {}
+    def __init__(self):
+        self.phase, self.sent, self.bytes, self.saved = "", collections.Counter(), collections.Counter(), {}
 
-    def _count(self, name, tensor, *args, **kwargs):
+    def _counted(self, name, fn):
+        import inspect
         import torch.distributed as dist
-        from fractions import Fraction
-        n = dist.get_world_size(self.group)
-        if name == "all_to_all_single":       # (output, input, output_splits, input_splits)
-            splits = args[2] if len(args) > 2 else kwargs.get("input_split_sizes")
-            sent = sum(splits) - splits[dist.get_rank(self.group)] if splits else args[0].numel() * (n - 1) // n
-        elif name == "all_gather_single":     # (output, input): output is n x input
-            sent = Fraction(n - 1, n) * tensor.numel()
-        elif name == "broadcast":
-            sent = Fraction(n - 1, n) * tensor.numel()
-        else:
-            sent = Fraction(2 * (n - 1), n) * tensor.numel()
-        self.sent[(self.phase, name)] += sent
+        signature, (arg, elements) = inspect.signature(fn), self.SENT[name]
+
+        def call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            a, group = bound.arguments, bound.arguments["group"]
+            sent = elements(a, a[arg], dist.get_world_size(group), dist.get_rank(group))
+            self.sent[(self.phase, name)] += sent
+            self.bytes[(self.phase, name)] += sent * a[arg].element_size()
+            return fn(*args, **kwargs)
+        return call
 
     def __enter__(self):
         import torch.distributed as dist
-        for name in self.NAMES:
-            self.saved[name] = original = getattr(dist, name)
-
-            def wrapped(tensor, *args, _name=name, _original=original, **kwargs):
-                self._count(_name, tensor, *args, **kwargs)
-                return _original(tensor, *args, **kwargs)
-            setattr(dist, name, wrapped)
+        for name in self.SENT:
+            self.saved[name] = getattr(dist, name)
+            setattr(dist, name, self._counted(name, self.saved[name]))
         return self
 
     def __exit__(self, *exc):
@@ -430,7 +440,7 @@ def comm_on_rank(stage, preset, batch_size=2, seq_len=32):
     import torch
     import torch.distributed as dist
     import zero
-    from gpt import GPT, PRESETS
+    from gpt import GPT
     config = _config(preset)
     module = GPT(config, seed=0)
     model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=stage, lr=1e-3, stage3_units=module.h)
@@ -538,7 +548,6 @@ def measure_section(args):
 
 def comm_section(args):
     """Section 5 of issue 5: elements each rank sends per step, as a multiple of Ψ."""
-    from fractions import Fraction
     from gpt import PRESETS, num_params
     psi = num_params(PRESETS[args.model])
     rows = []
@@ -590,8 +599,8 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true", help="one JSON object of every table's rows")
     parser.add_argument("--world", type=int, nargs="+", default=[1, 2, 4], help="world sizes --measure and --comm run")
     parser.add_argument("--model", default="tiny", help="the gpt.py preset --measure and --comm train")
-    parser.add_argument("--sizes", nargs="+", default=["7.5b", "128b"], choices=[m[0] for m in SIMULATED],
-                        help="models --simulate runs (1t at Nd 1024 takes about 5 minutes a stage here)")
+    parser.add_argument("--sizes", nargs="+", default=[m[0] for m in SIMULATED], choices=[m[0] for m in SIMULATED],
+                        help="models --simulate runs")
     args = parser.parse_args(argv)
     chosen = [name for name in SECTIONS if getattr(args, name)] or list(SECTIONS)   # none given = all
     tables = {}

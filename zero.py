@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.autograd import Variable
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 # Optimizers whose update of an element reads only that element's parameter, gradient and
@@ -53,13 +54,16 @@ def _overlap(a, b, c, d):
 def live_storages(device_type="cpu"):
     """{storage id: storage} of every tensor storage alive on `device_type` (and of every
     .grad), each storage once. Keyed by the storage itself: data_ptr() is 0 on the meta device
-    and raises for a storage freed with resize_(0). Holding the result keeps them alive."""
+    and raises for a storage freed with resize_(0). Holding the result keeps them alive. A
+    wrapper subclass (a DTensor) is skipped: its storage claims the global size and holds no
+    data; the local tensor inside it is counted. Tensors C++ keeps to itself are not seen."""
     gc.collect()
     storages = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # reading .grad of a non-leaf warns
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.device.type == device_type:
+            if isinstance(obj, torch.Tensor) and obj.device.type == device_type \
+                    and not is_traceable_wrapper_subclass(obj):
                 for t in (obj, obj.grad):
                     if t is not None:
                         storages[t.untyped_storage()._cdata] = t.untyped_storage()

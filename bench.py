@@ -1,0 +1,267 @@
+"""
+bench.py -- zero.py against its peers on one GPT (gpt.py), fp32 AdamW, CPU and gloo: torch DDP,
+DDP + ZeroRedundancyOptimizer, FSDP2, DeepSpeed ZeRO-1/2/3 (when installed), zero.py stages 0-3.
+Per system: median step time and its ratio to DDP; model-state bytes per rank beside Section 5's
+formula; a sampled peak; bytes sent per rank per step beside Section 7; the final loss, which
+every system must share (same seed, same weights, same data).
+
+    python bench.py                                              # world 2, small preset, every system
+    python bench.py --world 2 --steps 3 --warmup 1 --repeats 1   # smoke: each row once
+    python bench.py --systems ddp zero3 --steps 10               # a subset
+    python bench.py --json > bench.json                          # the rows as one JSON object
+
+Each run is a fresh gloo process group of --world ranks (torch.multiprocessing spawn). Runs go
+round-robin, --repeats times (ddp, zero1, ..., ddp, zero1, ...), so a slow minute of the machine
+shows as spread, not as a difference between systems. Progress goes to stderr.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tabulate import tabulate
+
+import memory_table
+import zero
+from gpt import GPT, PRESETS, num_params
+
+MB = 1e6
+# system: (label, the ZeRO stage whose Section 5 formula it should meet, Section 7 volume in Ψ)
+SYSTEMS = {
+    "ddp": ("torch DDP", 0, 2),
+    "zero_optimizer": ("DDP + ZeroRedundancyOptimizer", 1, 3),  # all-reduce 2Ψ, then owners broadcast Ψ
+    "fsdp2": ("FSDP2 (fully_shard per block)", 3, 3),
+    "deepspeed1": ("DeepSpeed ZeRO-1", 1, 2),
+    "deepspeed2": ("DeepSpeed ZeRO-2", 2, 2),
+    "deepspeed3": ("DeepSpeed ZeRO-3", 3, 3),
+    "zero0": ("zero.py stage 0 (baseline DP)", 0, 2),
+    "zero1": ("zero.py stage 1 (P_os)", 1, 2),
+    "zero2": ("zero.py stage 2 (P_os+g)", 2, 2),
+    "zero3": ("zero.py stage 3 (P_os+g+p)", 3, 3),
+}
+FORMULA = ["16Ψ", "4Ψ+4Ψ+8Ψ/Nd", "4Ψ+12Ψ/Nd", "16Ψ/Nd"]  # Section 5 in fp32: K = 8 (AdamW's two moments)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2, help="ranks: the data-parallel degree Nd")
+    p.add_argument("--model", default="small", choices=list(PRESETS), help="gpt.py preset")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each system, interleaved")
+    p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (2 ranks x 1 on 2 cores: fastest)")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--json", action="store_true", help="print the rows as one JSON object instead of the table")
+    args = p.parse_args(argv)
+    for name in ("world", "steps", "warmup", "repeats", "batch_size", "seq_len", "threads"):
+        least = 0 if name == "warmup" else 1
+        if getattr(args, name) < least:
+            p.error(f"--{name} must be at least {least} (got {getattr(args, name)})")
+    if args.seq_len > PRESETS[args.model].block_size:
+        p.error(f"--seq_len {args.seq_len} exceeds the {args.model} model's block_size "
+                f"{PRESETS[args.model].block_size}: use --seq_len {PRESETS[args.model].block_size} or less")
+    return args
+
+
+# ---------------------------------------------------------------------------
+# The systems: each gives (model, backward, step) for the same GPT and the same AdamW.
+# ---------------------------------------------------------------------------
+def build(system, args):
+    model = GPT(PRESETS[args.model], seed=args.seed)  # the same weights on every rank, for every system
+    adamw = dict(lr=1e-3, weight_decay=0.1)  # one group, for every system; torch's defaults otherwise
+    if system in ("ddp", "zero_optimizer"):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        # gradient_as_bucket_view: p.grad is a view of DDP's bucket, 16Ψ in all as in the paper. By
+        # default the buckets are a second 4Ψ copy of the gradients (20Ψ, measured with the hook below).
+        ddp = DDP(model, gradient_as_bucket_view=True)
+        # DDP's reducer calls the process group from C++, past any Python wrapper; torch's own
+        # allreduce_hook does the same all-reduce (divide by Nd, sum) through dist.all_reduce
+        ddp.register_comm_hook(None, allreduce_hook)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **adamw) \
+            if system == "zero_optimizer" else torch.optim.AdamW(model.parameters(), **adamw)
+        # set_to_none=False keeps p.grad on the buckets, so every memory sample sees them
+        return ddp, torch.Tensor.backward, lambda: (opt.step(), opt.zero_grad(set_to_none=False))
+    if system == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (args.world,))
+        for block in model.h:
+            fully_shard(block, mesh=mesh)  # per block: an all-gather in forward and in backward, a reduce-scatter
+        fully_shard(model, mesh=mesh)      # the root (embeddings, ln_f, tied output): kept whole until backward
+        opt = torch.optim.AdamW(model.parameters(), **adamw)
+        return model, torch.Tensor.backward, lambda: (opt.step(), opt.zero_grad())
+    if system.startswith("deepspeed"):    # only when `deepspeed` is importable (see main); untested here
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        import deepspeed
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), **adamw),
+                                          config={"train_micro_batch_size_per_gpu": args.batch_size,
+                                                  "zero_allow_untested_optimizer": True,
+                                                  "zero_optimization": {"stage": int(system[-1])}})
+        return engine, engine.backward, engine.step  # engine.step also zeroes the gradients
+    model, opt = zero.initialize(model, torch.optim.AdamW, stage=int(system[-1]), stage3_units=model.h, **adamw)
+    return model, torch.Tensor.backward, lambda: (opt.step(), opt.zero_grad())
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+def get_batch(gen, args):
+    tokens = torch.randint(PRESETS[args.model].vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # inputs, next tokens: (B, T) each
+
+
+# ---------------------------------------------------------------------------
+# One run: every rank of a fresh process group trains one system, then reports.
+# ---------------------------------------------------------------------------
+def run_rank(rank, system, args, out_dir):
+    torch.set_num_threads(args.threads)  # first: 2 ranks x 2 threads on 2 cores ran 1.5-1.8x slower
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.world))  # as torchrun
+    dist.init_process_group("gloo", rank=rank, world_size=args.world)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches, every system
+    baseline = zero.live_tensor_bytes()  # before the model: what torch and the process group hold already
+    model, backward, step = build(system, args)
+    times = []
+    for i in range(args.warmup + args.steps):
+        x, y = get_batch(gen, args)
+        t0 = time.perf_counter()
+        backward(model(x, y)[1])
+        step()
+        if i >= args.warmup:
+            times.append((time.perf_counter() - t0) * 1000)
+
+    # One more step, untimed and probed: each sample is the live tensors less the baseline and
+    # this step's batch. After backward that is the model states (parameters, gradients, AdamW's
+    # exp_avg, exp_avg_sq and step; besides them only the scalar loss); after forward, plus activations.
+    x, y = get_batch(gen, args)
+    live = lambda: zero.live_tensor_bytes() - baseline - _nbytes(x) - _nbytes(y)
+    # Section 7: bytes handed to each torch.distributed collective (memory_table's ring convention)
+    with memory_table.CommCounter() as counter:
+        loss = model(x, y)[1]
+        after_forward = live()
+        backward(loss)
+        after_backward = live()
+        step()
+        after_step = live()
+    sent = Counter()
+    for (phase, name), n in counter.bytes.items():
+        sent[name] += float(n)
+    report = dict(ms=times, loss=loss.item(), model_states=after_backward,
+                  peak=max(after_forward, after_backward, after_step), sent=dict(sent))
+    pathlib.Path(out_dir, f"{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def launch(system, args):
+    """Spawn --world ranks for one run (a failing rank stops them all); their reports, in rank order."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(run_rank, args=(system, args, out_dir), nprocs=args.world)
+        return [json.loads(pathlib.Path(out_dir, f"{rank}.json").read_text()) for rank in range(args.world)]
+
+
+# ---------------------------------------------------------------------------
+# The table. Time: rank 0's median step in each run; the median of those, with the min-max of
+# them as the spread (one run: the interquartile range of its steps). A ratio's range is
+# [lo / reference hi, hi / reference lo]; where it holds 1 the ratio is marked ≈: we claim no
+# difference smaller than the noise.
+# ---------------------------------------------------------------------------
+def timing(runs):
+    """(median, lo, hi) in ms: the runs' median steps and their min-max; one run: its steps' IQR."""
+    medians = [statistics.median(ranks[0]["ms"]) for ranks in runs]
+    if len(runs) > 1:
+        return statistics.median(medians), min(medians), max(medians)
+    steps = runs[0][0]["ms"]
+    q = statistics.quantiles(steps, n=4, method="inclusive") if len(steps) > 1 else steps * 3
+    return statistics.median(steps), q[0], q[-1]
+
+
+def ratio(a, b):
+    r, lo, hi = a["ms"] / b["ms"], a["ms_lo"] / b["ms_hi"], a["ms_hi"] / b["ms_lo"]
+    return f"{'≈ ' if lo <= 1 <= hi else ''}{r:.2f} [{lo:.2f}-{hi:.2f}]"
+
+
+def summarize(system, runs, args, psi):
+    label, stage, volume = SYSTEMS[system]
+    ranks = runs[-1]  # memory and bytes repeat exactly from run to run
+    ms, ms_lo, ms_hi = timing(runs)
+    return dict(system=system, label=label, ms=ms, ms_lo=ms_lo, ms_hi=ms_hi,
+                run_medians=[statistics.median(r[0]["ms"]) for r in runs],
+                model_states=max(r["model_states"] for r in ranks), formula_name=FORMULA[stage],
+                formula=memory_table.model_state_bytes(psi, args.world, stage, K=8, param_bytes=4, grad_bytes=4),
+                peak=max(r["peak"] for r in ranks), sent=max(sum(r["sent"].values()) for r in ranks),
+                sent_by_collective=ranks[0]["sent"], section7=volume * (args.world - 1) / args.world * 4 * psi,
+                losses=[sum(r["loss"] for r in ranks) / len(ranks) for ranks in runs])  # per run: the ranks' mean
+
+
+def table(rows, args, psi, notes):
+    lines = [[r["label"], f"{r['ms']:.0f} [{r['ms_lo']:.0f}-{r['ms_hi']:.0f}]", r["vs_ddp"],
+              f"{r['model_states'] / MB:.2f}", f"{r['formula'] / MB:.2f} = {r['formula_name']}",
+              f"{r['model_states'] / r['formula']:.4f}", f"{r['peak'] / MB:.1f}", f"{r['sent'] / MB:.2f}",
+              f"{r['section7'] / MB:.2f}",
+              ", ".join(f"{k} {v / MB:.1f}" for k, v in r["sent_by_collective"].items() if v >= 0.05 * MB),
+              f"{r['losses'][-1]:.6f}"] for r in rows]
+    headers = ["system", "ms/step [spread]", "vs DDP", "states MB", "Section 5 MB", "ratio", "peak MB",
+               "sent MB", "Section 7 MB", "sent by collective, MB", "final loss"]
+    legend = [f"world {args.world} (gloo, CPU, {args.threads} thread/rank) | {args.model}: Ψ = {psi / 1e6:.2f}M | "
+              f"batch {args.batch_size} x {args.seq_len} per rank | {args.warmup} warm-up + {args.steps} timed steps "
+              f"| {args.repeats} interleaved run(s) per system",
+              "ms/step: median; spread: min-max of the runs' medians (one run: the IQR of its steps); "
+              "≈: the ratio's range holds 1, a difference within the noise",
+              "states: live tensors after backward less a baseline taken before the model and less the batch; "
+              "peak: the largest of 3 samples (after forward, backward, step)",
+              "sent: bytes handed to torch.distributed per step (ring algorithms; a broadcast (Nd-1)/Nd of it per rank); Section 7: (Nd-1)/Nd x 2Ψ x 4 B, "
+              "3Ψ for P_os+g+p, FSDP2 and ZeroRedundancyOptimizer (all-reduce + broadcast); all per rank, worst rank"]
+    return tabulate(lines, headers, disable_numparse=True) + "\n" + "\n".join(legend + notes)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    skipped = [s for s in args.systems if s.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None]
+    args.systems = [s for s in args.systems if s not in skipped]
+    psi = num_params(PRESETS[args.model])
+    runs = {s: [] for s in args.systems}
+    for repeat in range(args.repeats):  # round-robin: ddp, zero1, ..., ddp, zero1, ...
+        for system in args.systems:
+            t0 = time.perf_counter()
+            runs[system].append(launch(system, args))
+            print(f"run {repeat + 1}/{args.repeats} {system:15s} {statistics.median(runs[system][-1][0]['ms']):7.1f} "
+                  f"ms/step ({time.perf_counter() - t0:.1f} s with start-up)", file=sys.stderr)
+    rows = {s: summarize(s, runs[s], args, psi) for s in args.systems}
+    notes = []
+    for r in rows.values():
+        r["vs_ddp"] = ratio(r, rows["ddp"]) if "ddp" in rows else "n/a"
+    first = next(iter(rows.values()))["losses"][0]
+    differ = [r["label"] for r in rows.values() if any(loss != first for loss in r["losses"])]
+    notes.append(f"final loss: differs for {', '.join(differ)}" if differ else
+                 "final loss: the same float for every system and every run")
+    if "fsdp2" in rows and "zero3" in rows:
+        notes.append(f"zero.py stage 3 / FSDP2 step time: {ratio(rows['zero3'], rows['fsdp2'])}")
+    if skipped:
+        notes.append(f"skipped {', '.join(skipped)}: deepspeed is not installed (pip install deepspeed)")
+    if args.json:
+        print(json.dumps(dict(args=vars(args), psi=psi, rows=list(rows.values()), notes=notes), ensure_ascii=False))
+    else:
+        print(table(rows.values(), args, psi, notes))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""bench.py end to end on the tiny GPT: two systems, one step each, in their own process groups.
+
+    python -m pytest test_bench.py
+"""
+import pytest
+
+import bench
+from gpt import PRESETS, num_params
+
+
+@pytest.mark.slow  # 9 s alone, 24 s beside other tests under -n 2: two spawned process groups
+def test_bench_ddp_and_zero3_share_the_loss_and_meet_sections_5_and_7_at_world_2():
+    rows = bench.main(["--model", "tiny", "--batch_size", "2", "--seq_len", "32", "--steps", "1",
+                       "--warmup", "0", "--repeats", "1", "--systems", "ddp", "zero3", "--json"])
+    psi, nd = num_params(PRESETS["tiny"]), 2
+    ddp, zero3 = rows["ddp"], rows["zero3"]
+    assert ddp["losses"] == zero3["losses"]  # at world 2 every sum order gives the same bits
+    # Section 5, fp32 AdamW (K = 8): 16Ψ replicated, 16Ψ/Nd at P_os+g+p. Beyond the formula: AdamW's
+    # 4-byte step counters and stage 3's padding of Ψ to a multiple of Nd, a few hundred bytes.
+    assert ddp["model_states"] == pytest.approx(16 * psi, rel=1e-4)
+    assert zero3["model_states"] == pytest.approx(16 * psi / nd, rel=1e-4)
+    # Section 7, per rank per step in fp32: an all-reduce sends 2 x (Nd-1)/Nd x 4Ψ bytes; stage 3
+    # sends 3 x (Nd-1)/Nd x 4Ψ (two gathers and a reduce-scatter), plus a flag all-reduce of a few bytes
+    assert ddp["sent"] == pytest.approx(2 * (nd - 1) / nd * 4 * psi, rel=1e-9)
+    assert zero3["sent"] == pytest.approx(3 * (nd - 1) / nd * 4 * psi, rel=1e-3)
