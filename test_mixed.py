@@ -198,7 +198,7 @@ def on_rank_bf16_model_state_bytes(stage):
             opt.step()
             opt.zero_grad()
     del loss
-    inputs = {x.untyped_storage().data_ptr(), y.untyped_storage().data_ptr()}
+    inputs = {x.untyped_storage()._cdata, y.untyped_storage()._cdata}
     measured = sum(s.nbytes() for ptr, s in live_storages().items() if ptr not in before and ptr not in inputs)
     return measured, sum(p.numel() for p in mlp.parameters()), len(list(mlp.parameters()))
 
