@@ -282,8 +282,13 @@ class ZeroOptimizer:
         start = max(a, self.lo) - self.lo
         out = self.grad_shard[start:start + mine]
         total = out if self.micro_batches == 0 else torch.empty_like(out)
-        total.copy_(received[0])
-        for j in range(1, self.nd):
+        # Before: copy row 0, then add rows 1, 2, ...; now the first add writes g_0 + g_1
+        # straight into the shard (the same sum, one pass over it fewer)
+        if self.nd == 1:
+            total.copy_(received[0])
+        else:
+            torch.add(received[0], received[1], out=total)
+        for j in range(2, self.nd):
             total.add_(received[j])
         total.div_(self.nd)
         if total is not out:  # a later micro-batch: add its mean to the sum so far
@@ -390,7 +395,12 @@ class ZeroOptimizer:
 
     def _broadcast_chunk(self, owner, chunk, prefetch):
         if owner == self.rank:
-            buf = torch.cat([self.param_shard[a - self.lo:b - self.lo] for p, a, b in chunk])
+            # Before: always a concatenated copy; now the shard itself where the chunk is one
+            # contiguous range of it (parameters in flat order: the usual case)
+            if all(chunk[i][2] == chunk[i + 1][1] for i in range(len(chunk) - 1)):
+                buf = self.param_shard[chunk[0][1] - self.lo:chunk[-1][2] - self.lo]
+            else:
+                buf = torch.cat([self.param_shard[a - self.lo:b - self.lo] for p, a, b in chunk])
         else:
             buf = torch.empty(sum(b - a for p, a, b in chunk), dtype=self.param_dtype, device=self.device)
         # (at most bucket_numel,) from the owner; a prefetch is waited for at the next gather
