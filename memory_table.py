@@ -436,7 +436,7 @@ class CommCounter:
 
 
 def comm_on_rank(stage, preset, batch_size=2, seq_len=32):
-    """{(phase, collective): elements sent} in this rank's second training step; Ψ; padded Ψ."""
+    """{(phase, collective): elements this rank sent} in its second training step (the first warms up)."""
     import torch
     import torch.distributed as dist
     import zero
