@@ -24,8 +24,8 @@ import collections
 import contextlib
 import json
 import math
-import warnings
 import time
+import warnings
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from fractions import Fraction
 
@@ -370,9 +370,9 @@ def measure_on_rank(stage, dtype_name, preset, batch_size=4, seq_len=64):
     copies = {_storage(c) for c in snapshot.values()}
     new = {s: st for s, st in zero.live_storages().items() if s not in before and s not in copies}
     split = split_model_states(new, snapshot, dtype)
-    start, end = [next(r[2] for r in memory.records if r[0] == phase) for phase in ("forward start", "forward end")]
+    activations = memory.kept_by_forward()
     del model, optimizer, module, memory, new, snapshot
-    return psi, split, end - start
+    return psi, split, activations
 
 
 def each_on_rank(fn, configs):
@@ -486,8 +486,7 @@ def activations_on_rank(checkpoint, preset, tp, batch_size=8, seq_len=128):
     loss = model(idx[:, :-1], idx[:, 1:])[1]
     memory.recording = False
     loss.backward()
-    start, end = [next(r[2] for r in memory.records if r[0] == phase) for phase in ("forward start", "forward end")]
-    return end - start
+    return memory.kept_by_forward()
 
 
 def measure_section(args):

@@ -176,10 +176,8 @@ def main(argv=None):
         elif measure:  # CPU: the largest live-tensor total seen at a module boundary
             peak = (memory.peak() - baseline) / 1e6
         if step == 0:
-            starts = [r[2] for r in memory.records if r[:2] == ("forward start", "")]
-            ends = [r[2] for r in memory.records if r[:2] == ("forward end", "")]
             log(f"memory at step 0 ({'CUDA allocator' if device.type == 'cuda' else 'live tensors'}): "
-                f"activations kept at the end of forward {(ends[0] - starts[0]) / 1e6:.2f} MB/rank "
+                f"activations kept at the end of forward {memory.kept_by_forward() / 1e6:.2f} MB/rank "
                 f"(checkpointing: {args.checkpoint}) | peak {(memory.peak() - baseline) / 1e6:.2f} MB/rank")
         mean_loss = step_loss.clone()
         dist.all_reduce(mean_loss, group=dp_group)  # the loss of the whole batch, over dp ranks

@@ -107,6 +107,13 @@ class MemoryHooks:
     def peak(self):
         return max((r[2] for r in self.records), default=0)
 
+    def kept_by_forward(self, name=""):
+        """Bytes the first recorded forward of module `name` (default: the root) kept for its
+        backward: allocated at the forward's end minus at its start."""
+        start, end = [next(r[2] for r in self.records if r[:2] == (phase, name))
+                      for phase in ("forward start", "forward end")]
+        return end - start
+
 
 @dataclass
 class DynamicLossScale:
