@@ -10,25 +10,21 @@ every system must share (same seed, same weights, same data).
     python bench.py --systems ddp zero3 --steps 10               # a subset
     python bench.py --json > bench.json                          # the rows as one JSON object
 
-Each run is a fresh gloo process group of --world ranks (torch.multiprocessing spawn). Runs go
-round-robin, --repeats times (ddp, zero1, ..., ddp, zero1, ...), so a slow minute of the machine
-shows as spread, not as a difference between systems. Progress goes to stderr.
+Each run is a fresh gloo process group of --world spawned ranks (memory_table.run_on_ranks).
+Runs go round-robin, --repeats times (ddp, zero1, ..., ddp, zero1, ...), so a slow minute of the
+machine shows as spread, not as a difference between systems. Progress goes to stderr.
 """
 import argparse
 import importlib.util
 import json
 import os
-import pathlib
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from tabulate import tabulate
 
 import memory_table
@@ -129,11 +125,10 @@ def get_batch(gen, args):
 # ---------------------------------------------------------------------------
 # One run: every rank of a fresh process group trains one system, then reports.
 # ---------------------------------------------------------------------------
-def run_rank(rank, system, args, out_dir):
-    torch.set_num_threads(args.threads)  # first: 2 ranks x 2 threads on 2 cores ran 1.5-1.8x slower
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.world))  # as torchrun
-    dist.init_process_group("gloo", rank=rank, world_size=args.world)
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches, every system
+def run_rank(system, args):
+    """On each rank of a fresh process group (memory_table.run_on_ranks): train, probe, report."""
+    torch.set_num_threads(args.threads)  # 2 ranks x 2 threads on 2 cores ran 1.5-1.8x slower
+    gen = torch.Generator().manual_seed(args.seed * 1000 + dist.get_rank())  # each rank its own batches, every system
     baseline = zero.live_tensor_bytes()  # before the model: what torch and the process group hold already
     model, backward, step = build(system, args)
     times = []
@@ -161,20 +156,8 @@ def run_rank(rank, system, args, out_dir):
     sent = Counter()
     for (phase, name), n in counter.bytes.items():
         sent[name] += float(n)
-    report = dict(ms=times, loss=loss.item(), model_states=after_backward,
-                  peak=max(after_forward, after_backward, after_step), sent=dict(sent))
-    pathlib.Path(out_dir, f"{rank}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
-
-
-def launch(system, args):
-    """Spawn --world ranks for one run (a failing rank stops them all); their reports, in rank order."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(run_rank, args=(system, args, out_dir), nprocs=args.world)
-        return [json.loads(pathlib.Path(out_dir, f"{rank}.json").read_text()) for rank in range(args.world)]
+    return dict(ms=times, loss=loss.item(), model_states=after_backward,
+                peak=max(after_forward, after_backward, after_step), sent=dict(sent))
 
 
 # ---------------------------------------------------------------------------
@@ -246,7 +229,7 @@ def main(argv=None):
     for repeat in range(args.repeats):  # round-robin: ddp, zero1, ..., ddp, zero1, ...
         for system in args.systems:
             t0 = time.perf_counter()
-            runs[system].append(launch(system, args))
+            runs[system].append(memory_table.run_on_ranks(args.world, run_rank, system, args))
             print(f"run {repeat + 1}/{args.repeats} {system:15s} {statistics.median(runs[system][-1][0]['ms']):7.1f} "
                   f"ms/step ({time.perf_counter() - t0:.1f} s with start-up)", file=sys.stderr)
     rows = {s: summarize(s, runs[s], args, psi) for s in args.systems}

@@ -248,15 +248,19 @@ def simulate_section(args):
 
 
 # ---------------------------------------------------------------------------
-# Real ranks: a launcher for the measured sections. run_on_ranks(nd, fn, *args) starts nd gloo
-# processes, runs the module-level fn(*args) on each and returns their results in rank order.
+# Real ranks: a launcher for the measured sections (and bench.py). run_on_ranks(nd, fn, *args)
+# starts nd gloo processes, runs the module-level fn(*args) on each and returns their results
+# in rank order. Each rank sees the environment torchrun would give it (RANK, WORLD_SIZE, ...).
 # ---------------------------------------------------------------------------
 
 def _rank_main(rank, nd, port, fn, args, results):
+    import os
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)   # nd ranks share the cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nd)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(nd))
+    dist.init_process_group("gloo")   # env://, as under torchrun
     try:
         results.put((rank, True, fn(*args)))
     except BaseException:
