@@ -59,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (2 ranks x 1 on 2 cores: fastest)")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="pin rank r to core r (mod cores): steadier steps than letting ranks migrate")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--json", action="store_true", help="print the rows as one JSON object instead of the table")
     args = p.parse_args(argv)
@@ -128,6 +130,9 @@ def get_batch(gen, args):
 def run_rank(system, args):
     """On each rank of a fresh process group (memory_table.run_on_ranks): train, probe, report."""
     torch.set_num_threads(args.threads)  # 2 ranks x 2 threads on 2 cores ran 1.5-1.8x slower
+    if args.pin and hasattr(os, "sched_setaffinity"):  # rank r on core r (mod cores), for every system
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[dist.get_rank() % len(cores)]})
     gen = torch.Generator().manual_seed(args.seed * 1000 + dist.get_rank())  # each rank its own batches, every system
     baseline = zero.live_tensor_bytes()  # before the model: what torch and the process group hold already
     model, backward, step = build(system, args)
@@ -162,9 +167,9 @@ def run_rank(system, args):
 
 # ---------------------------------------------------------------------------
 # The table. Time: rank 0's median step in each run; the median of those, with the min-max of
-# them as the spread (one run: the interquartile range of its steps). A ratio's range is
-# [lo / reference hi, hi / reference lo]; where it holds 1 the ratio is marked ≈: we claim no
-# difference smaller than the noise.
+# them as the spread (one run: the interquartile range of its steps). A ratio is paired by
+# round (see ratio); where its range holds 1 it is marked ≈: we claim no difference smaller
+# than the noise.
 # ---------------------------------------------------------------------------
 def timing(runs):
     """(median, lo, hi) in ms: the runs' median steps and their min-max; one run: its steps' IQR."""
@@ -177,7 +182,14 @@ def timing(runs):
 
 
 def ratio(a, b):
-    r, lo, hi = a["ms"] / b["ms"], a["ms_lo"] / b["ms_hi"], a["ms_hi"] / b["ms_lo"]
+    """a's time / b's, paired by round: the median of the rounds' ratios and their min-max, so a
+    slow minute of the machine, which slows both runs of a round, does not show as a difference
+    (one run: its median over b's, in [a lo / b hi, a hi / b lo])."""
+    if len(a["run_medians"]) > 1:
+        rounds = [x / y for x, y in zip(a["run_medians"], b["run_medians"])]
+        r, lo, hi = statistics.median(rounds), min(rounds), max(rounds)
+    else:
+        r, lo, hi = a["ms"] / b["ms"], a["ms_lo"] / b["ms_hi"], a["ms_hi"] / b["ms_lo"]
     return f"{'≈ ' if lo <= 1 <= hi else ''}{r:.2f} [{lo:.2f}-{hi:.2f}]"
 
 
@@ -208,11 +220,11 @@ def table(rows, args, psi, notes):
               f"{r['losses'][-1]:.6f}"] for r in rows]
     headers = ["system", "ms/step [spread]", "vs DDP", "states MB", "Section 5 MB", "ratio", "peak MB",
                "sent MB", "Section 7 MB", "sent by collective, MB", "final loss"]
-    legend = [f"world {args.world} (gloo, CPU, {args.threads} thread/rank) | {args.model}: Ψ = {psi / 1e6:.2f}M | "
+    legend = [f"world {args.world} (gloo, CPU, {args.threads} thread/rank{', pinned' if args.pin else ''}) | {args.model}: Ψ = {psi / 1e6:.2f}M | "
               f"batch {args.batch_size} x {args.seq_len} per rank | {args.warmup} warm-up + {args.steps} timed steps "
               f"| {args.repeats} interleaved run(s) per system",
               "ms/step: median; spread: min-max of the runs' medians (one run: the IQR of its steps); "
-              "≈: the ratio's range holds 1, a difference within the noise",
+              "vs DDP: the median of the rounds' ratios [min-max]; ≈: that range holds 1, a difference within the noise",
               "states: live tensors after backward less a baseline taken before the model and less the batch; "
               "peak: the largest of 3 samples (after forward, backward, step)",
               "sent: bytes handed to torch.distributed per step (ring algorithms; a broadcast (Nd-1)/Nd of it per rank); Section 7: (Nd-1)/Nd x 2Ψ x 4 B, "

@@ -16,6 +16,7 @@ Every stage gives the same bits as torch's DistributedDataParallel: gradients ar
 rank order, ((g_0 + g_1) + g_2) + ..., then divided by Nd, whatever the bucket sizes or the
 stage (test_zero.py proves it). Run the tests with `python -m pytest -n 2 test_zero.py`.
 """
+import collections
 import functools
 import gc
 import math
@@ -190,13 +191,9 @@ class ZeroOptimizer:
                 p.data = self.flat_param[self.offsets[i]:self.offsets[i + 1]].view_as(p)
             self.own_params = self.flat_param[self.base:self.base + self.own_numel]
         else:
-            # Stage 3 keeps only this rank's shard; each parameter gets a storage of its own,
-            # empty between uses (Section 5.3).
+            # Stage 3 keeps only this rank's shard; the parameters become views into buffers
+            # that are empty between uses (Section 5.3, _install_gather_hooks).
             self.param_shard = flat[self.lo:self.hi].to(self.param_dtype, copy=True)  # (shard_numel,)
-            for p in self.params:
-                p.data = torch.empty(p.shape, dtype=self.param_dtype, device=self.device)
-                self._free(p)
-            self.refcount = [0] * len(self.params)
             self.own_params = self.param_shard
         del flat
 
@@ -321,8 +318,11 @@ class ZeroOptimizer:
             lo, hi = max(a, ka), min(a + n, kb)
             self._bucket(k)[lo - ka:hi - ka].copy_(grad[lo - a:hi - a])
         p.grad = None  # the full gradient lives on only in the bucket (stages 0-1: the flat buffer)
-        if self.stage == 3:
-            self._free(p)
+        if self.stage == 3:  # the last gradient of p's group: backward is done with its parameters
+            g = self.group_of[p]
+            self.grads_left[g] -= 1
+            if self.grads_left[g] == 0:
+                self._free(self.groups[g][0])
         for k in self.buckets_of[i]:
             self.pending[k] -= 1
         self._reduce_ready_buckets()
@@ -364,8 +364,8 @@ class ZeroOptimizer:
         self.used_anywhere = [u or v for u, v in zip(self.used_anywhere, used.bool().tolist())]
         if self.stage == 3:
             self._finish_prefetch()
-            for p in self.params:
-                self._free(p)
+            for buf, runs in self.groups:
+                self._free(buf)
         self.micro_batches += 1
         self._new_backward()
 
@@ -375,6 +375,8 @@ class ZeroOptimizer:
         self.bucket_bufs, self.in_reduction = {}, []  # in_reduction: all-to-alls not yet folded
         self.next_bucket = self.n_buckets - 1
         self.in_backward = False
+        if self.stage == 3:
+            self.grads_left = list(self.group_trainable)  # per group: gradients still to come
 
     # -------------------------------------------------------------------------------------
     # Section 5.3 -- P_os+g+p: parameters exist in full only while a module uses them.
@@ -385,126 +387,127 @@ class ZeroOptimizer:
     # Per-rank model states: (4 + 4 + K)Ψ/Nd.
     # -------------------------------------------------------------------------------------
     @staticmethod
-    def _free(p):
-        p.untyped_storage().resize_(0)
-
-    def _gather(self, params, prefetch=False):
-        self._finish_prefetch()  # at most one gather in flight: complete it first
-        todo = [p for p in params if p.numel() and p.untyped_storage().nbytes() == 0]
-        for p in todo:
-            p.untyped_storage().resize_(p.numel() * p.element_size())
-        for j in range(self.nd):  # each owner broadcasts its part of these parameters
-            j_lo, j_hi = j * self.shard_numel, (j + 1) * self.shard_numel
-            parts = [(p, max(self.offsets[self.index[p]], j_lo), min(self.offsets[self.index[p] + 1], j_hi))
-                     for p in todo]
-            parts = [(p, a, b) for p, a, b in parts if a < b]
-            # C_B (Section 6.2): in broadcasts of at most bucket_numel elements, whatever the size
-            while parts:
-                chunk, room = [], self.bucket_numel
-                while parts and room:
-                    p, a, b = parts.pop(0)
-                    if b - a > room:  # split: the rest goes in the next broadcast
-                        parts.insert(0, (p, a + room, b))
-                        b = a + room
-                    chunk.append((p, a, b))
-                    room -= b - a
-                self._broadcast_chunk(j, chunk, prefetch)
-
-    def _broadcast_chunk(self, owner, chunk, prefetch):
-        if owner == self.rank:
-            # Before: always a concatenated copy; now the shard itself where the chunk is one
-            # contiguous range of it (parameters in flat order: the usual case)
-            if all(chunk[i][2] == chunk[i + 1][1] for i in range(len(chunk) - 1)):
-                buf = self.param_shard[chunk[0][1] - self.lo:chunk[-1][2] - self.lo]
-            else:
-                buf = torch.cat([self.param_shard[a - self.lo:b - self.lo] for p, a, b in chunk])
-        else:
-            buf = torch.empty(sum(b - a for p, a, b in chunk), dtype=self.param_dtype, device=self.device)
-        # (at most bucket_numel,) from the owner; a prefetch is waited for at the next gather
-        work = dist.broadcast(buf, group_src=owner, group=self.group, async_op=prefetch)
-        if prefetch:
-            self.in_flight.append((work, buf, chunk))
-        else:
-            self._unpack(buf, chunk)
-
-    def _unpack(self, buf, chunk):
-        at = 0
-        for p, a, b in chunk:
-            start = a - self.offsets[self.index[p]]
-            # .data: writing the parameter's storage must not look like an in-place change
-            # to the autograd graph that saved it
-            p.data.view(-1)[start:start + b - a].copy_(buf[at:at + b - a])
-            at += b - a
-
-    def _finish_prefetch(self):
-        for work, buf, chunk in self.in_flight:
-            work.wait()
-            self._unpack(buf, chunk)
-        self.in_flight = []
-
-    def _prefetch(self, own, step):
-        """Before: each unit's gather waited for its own forward or backward; now the next
-        unit's broadcasts (in the order the first forward ran them, reversed in backward) are
-        issued as this one starts, and overlap its compute."""
-        k = self.unit_position.get(id(own))
-        if self.prefetch and k is not None and 0 <= k + step < len(self.unit_order):
-            self._gather(self.unit_order[k + step], prefetch=True)
+    def _free(buf):
+        buf.untyped_storage().resize_(0)
 
     def _install_gather_hooks(self, units):
         # A unit (e.g. a transformer block) gathers all the parameters below it at once: fewer,
         # larger broadcasts. Any other module gathers the parameters it owns itself.
         units = set(units)
         inside = {sub for u in units for sub in u.modules() if sub is not u}
-        owners = {}
-        for m in self.module.modules():
-            if m in inside:
-                continue
-            own = list(m.parameters(recurse=m in units))
-            for p in own:
-                owners[p] = owners.get(p, 0) + 1
-            if own:
-                m.register_forward_pre_hook(lambda mod, args, own=own: self._pre_forward(own))
-                m.register_forward_hook(lambda mod, args, out, own=own: self._post_forward(own, out))
+        owned = [(m, list(m.parameters(recurse=m in units))) for m in self.module.modules() if m not in inside]
+        owned = [(m, own) for m, own in owned if own]
+        owners = collections.Counter(p for m, own in owned for p in own)
         # A parameter owned by several modules (a tied embedding and output layer) stays
         # gathered from its first use to the end of the whole forward: one gather, not one per
         # module, so forward moves Ψ and no more.
-        self.shared = {p for p, n in owners.items() if n > 1}
+        shared = {p for p, n in owners.items() if n > 1}
+        # Groups: what one module gathers into one buffer (its parameters, a shared one alone).
+        self.groups, self.group_of = [], {}  # groups: (buffer, runs); group_of: parameter -> group
+        for m, own in owned:
+            for members in [[p for p in own if p not in shared]] + [[p] for p in own if p in shared]:
+                if members and members[0] not in self.group_of:
+                    self.groups.append(self._make_group(members))
+            gids = tuple(sorted({self.group_of[p] for p in own}))
+            m.register_forward_pre_hook(lambda mod, args, gids=gids: self._pre_forward(gids))
+            m.register_forward_hook(lambda mod, args, out, gids=gids: self._post_forward(gids, out))
+        self.shared = {self.group_of[p] for p in shared}
+        self.group_trainable = [0] * len(self.groups)
+        for p in self.params[:self.n_trainable]:
+            self.group_trainable[self.group_of[p]] += 1
+        self.refcount = [0] * len(self.groups)
         self.module.register_forward_hook(lambda mod, args, out: self._end_forward())
         self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, []
+
+    def _make_group(self, members):
+        """One buffer for `members`, in flat order; each parameter becomes a view into it. runs:
+        [flat start, flat end, position in the buffer] of each stretch of the flat space it
+        holds (one for a block, whose parameters lie end to end)."""
+        members = sorted(members, key=lambda p: self.index[p])
+        buf = torch.empty(sum(p.numel() for p in members), dtype=self.param_dtype, device=self.device)
+        runs, at = [], 0
+        for p in members:
+            a = self.offsets[self.index[p]]
+            if runs and runs[-1][1] == a:
+                runs[-1][1] += p.numel()
+            else:
+                runs.append([a, a + p.numel(), at])
+            p.data = buf[at:at + p.numel()].view(p.shape)
+            self.group_of[p] = len(self.groups)
+            at += p.numel()
+        self._free(buf)  # empty until a module gathers it
+        return buf, runs
+
+    def _gather(self, gids, prefetch=False):
+        self._finish_prefetch()  # at most one gather in flight: complete it first
+        for g in gids:
+            buf, runs = self.groups[g]
+            if buf.numel() == 0 or buf.untyped_storage().nbytes() > 0:
+                continue  # gathered already
+            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+            # Before: each parameter had a storage of its own, and broadcasts landed in a staging
+            # buffer copied out into them; now a group's parameters are views into one buffer,
+            # and each owner broadcasts its part straight into it (one allocation, no copy).
+            for j in range(self.nd):
+                j_lo, j_hi = j * self.shard_numel, (j + 1) * self.shard_numel
+                for a, b, at in runs:
+                    # C_B (Section 6.2): in broadcasts of at most bucket_numel elements, whatever the size
+                    for lo in range(max(a, j_lo), min(b, j_hi), self.bucket_numel):
+                        hi = min(lo + self.bucket_numel, b, j_hi)
+                        part = buf[at + lo - a:at + hi - a]
+                        if j == self.rank:
+                            part.copy_(self.param_shard[lo - self.lo:hi - self.lo])
+                        # (hi - lo,) from rank j; a prefetch is waited for at the next gather
+                        work = dist.broadcast(part, group_src=j, group=self.group, async_op=prefetch)
+                        if prefetch:
+                            self.in_flight.append(work)
+
+    def _finish_prefetch(self):
+        for work in self.in_flight:
+            work.wait()
+        self.in_flight = []
+
+    def _prefetch(self, gids, step):
+        """Before: each unit's gather waited for its own forward or backward; now the next
+        unit's broadcasts (in the order the first forward ran them, reversed in backward) are
+        issued as this one starts, and overlap its compute."""
+        k = self.unit_position.get(id(gids))
+        if self.prefetch and k is not None and 0 <= k + step < len(self.unit_order):
+            self._gather(self.unit_order[k + step], prefetch=True)
 
     def _end_forward(self):
         self._finish_prefetch()
         self._release(self.shared)
         self.order_known = True  # the units' order, from the first forward
 
-    def _pre_forward(self, own):
-        self._gather(own)
-        for p in own:
-            self.refcount[self.index[p]] += 1
-        if not self.order_known and id(own) not in self.unit_position:
-            self.unit_position[id(own)] = len(self.unit_order)
-            self.unit_order.append(own)
-        self._prefetch(own, +1)
+    def _pre_forward(self, gids):
+        self._gather(gids)
+        for g in gids:
+            self.refcount[g] += 1
+        if not self.order_known and id(gids) not in self.unit_position:
+            self.unit_position[id(gids)] = len(self.unit_order)
+            self.unit_order.append(gids)
+        self._prefetch(gids, +1)
 
-    def _release(self, params):
-        for p in params:
-            if self.refcount[self.index[p]] == 0:
-                self._free(p)
+    def _release(self, gids):
+        for g in gids:
+            if self.refcount[g] == 0:
+                self._free(self.groups[g][0])
 
-    def _post_forward(self, own, out):
-        for p in own:
-            self.refcount[self.index[p]] -= 1
+    def _post_forward(self, gids, out):
+        for g in gids:
+            self.refcount[g] -= 1
         if not self.in_backward:  # a forward recomputed in backward (P_a) keeps them for backward
-            self._release([p for p in own if p not in self.shared])
+            self._release([g for g in gids if g not in self.shared])
         if torch.is_grad_enabled():  # gather again when backward reaches this module
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, own=own: self._pre_backward(own))
+                    t.register_hook(lambda grad, gids=gids: self._pre_backward(gids))
 
-    def _pre_backward(self, own):
+    def _pre_backward(self, gids):
         self._begin_backward()
-        self._gather(own)
-        self._prefetch(own, -1)
+        self._gather(gids)
+        self._prefetch(gids, -1)
 
     # -------------------------------------------------------------------------------------
     # Buffers follow rank 0 at every training forward, as in DDP (broadcast_buffers=True).
