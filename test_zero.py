@@ -213,6 +213,44 @@ def test_gradients_are_reduced_during_backward(world, stage):
 
 
 # -----------------------------------------------------------------------------------------
+# Stages 1-2 leave the parameter all-gather in flight after step(); whatever reads the
+# parameters waits first: each module's forward for its own part, state_dict() for all
+# -----------------------------------------------------------------------------------------
+def on_rank_reads_after_step_wait(stage):
+    problems = []
+    model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, bucket_numel=50, lr=1e-2)
+    emb_end = model.emb.weight.numel()  # emb.weight is the first 207 elements of the flat space
+    seen = []  # the flat starts of broadcasts still in flight when emb's forward begins
+    model.emb.register_forward_pre_hook(lambda mod, args: seen.append([lo for lo, w in opt.param_gathers]))
+    for step in range(2):
+        x, y = batch(step)
+        F.cross_entropy(model(x, True, True).view(-1, VOCAB), y.view(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+        if not opt.param_gathers:
+            problems.append(f"step {step}: step() waited for its all-gather")
+        if step == 0:  # the next forward waits for emb's part, and only that
+            x, y = batch(1)
+            with torch.no_grad():
+                model(x, True, True)
+            if not seen[-1] or min(seen[-1]) < emb_end:
+                problems.append(f"emb's forward began with broadcasts from {seen[-1]} in flight")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    if opt.param_gathers:
+        problems.append("state_dict() did not wait for the all-gather")
+    full = zero.full_state_dict(model)  # (its buffer `seen` is rank 0's; compare parameters)
+    problems += compare("state_dict after step", {n: state[n] for n, p in model.named_parameters()},
+                        {n: full[n] for n, p in model.named_parameters()})
+    return problems
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reads_after_step_wait_for_the_parameter_all_gather(world, stage):
+    assert world(2).run(on_rank_reads_after_step_wait, stage) == [[], []]
+
+
+# -----------------------------------------------------------------------------------------
 # The stage really partitions: bytes alive on each rank after backward = the paper's formula
 # -----------------------------------------------------------------------------------------
 def live_storages():

@@ -249,6 +249,9 @@ class ZeroOptimizer:
         for i in range(self.n_trainable):
             self.params[i].register_post_accumulate_grad_hook(self._grad_ready)
 
+        self.param_gathers = []  # stages 1-2: (flat start, work) of the broadcasts step() left in flight
+        if stage in (1, 2):
+            self._install_wait_hooks()
         if stage == 3:
             self._install_gather_hooks(stage3_units or ())
         self.buffers = [b for b in module.buffers()]
@@ -589,6 +592,7 @@ class ZeroOptimizer:
     def step(self):
         """Update this rank's partition and gather the parameters. Returns False when fp16 loss
         scaling found an overflow and skipped the step on every rank."""
+        self._wait_params()  # the shard is still being sent if no forward came since the last step
         grads = self._grads()
         if self.scaler:
             self._update_loss_scale()
@@ -600,21 +604,47 @@ class ZeroOptimizer:
         if self.master_dtype:
             self.own_params.copy_(self.master)  # fp32 master -> the 16-bit parameters
         if self.stage in (1, 2):
-            self._all_gather(self.flat_param)  # each rank sends its updated shard (Ψ/Nd)
+            # each rank sends its updated shard (Ψ/Nd); the next forward waits for it (below)
+            self.param_gathers = self._all_gather(self.flat_param, wait=False)
         # stage 3: nothing to gather now; the next forward gathers what it uses
         return True
 
-    def _all_gather(self, full):
+    def _all_gather(self, full, wait=True):
         """full (padded_numel,): rank j's shard full[j*S:(j+1)*S] to every rank, by owner
-        broadcasts. Before: all_gather_single; now Nd asynchronous broadcasts, the same bytes
-        ((Nd-1)/Nd of the tensor per rank, Section 7) in about a third of the time on gloo
-        (43 MB at world 2: 60 -> 18 ms; world 4: 103 -> 35 ms)."""
-        S = self.shard_numel
-        works = [dist.broadcast(full[j * S:(j + 1) * S], group_src=j, group=self.group, async_op=True)
-                 for j in range(self.nd)]  # (S,) from rank j, for each j
-        for work in works:
+        broadcasts in flat order, at most bucket_numel elements each (C_B). Before:
+        all_gather_single; now asynchronous broadcasts, the same bytes ((Nd-1)/Nd of the tensor
+        per rank, Section 7) in about a third of the time on gloo (43 MB at world 2: 60 -> 18
+        ms; world 4: 103 -> 35 ms). wait=False: returns [(flat start, work)] still in flight."""
+        S, works = self.shard_numel, []
+        for j in range(self.nd):
+            for lo in range(j * S, (j + 1) * S, self.bucket_numel):
+                part = full[lo:min(lo + self.bucket_numel, (j + 1) * S)]
+                works.append((lo, dist.broadcast(part, group_src=j, group=self.group, async_op=True)))  # from rank j
+        if not wait:
+            return works
+        for lo, work in works:
             work.wait()
         return full
+
+    # -------------------------------------------------------------------------------------
+    # Section 5.1 (cont.) -- stages 1-2 gather the updated parameters after the step.
+    # Before: step() waited for the whole all-gather; now it leaves the broadcasts in flight,
+    # and each module waits, just before its next forward, for those that cover its
+    # parameters: the gather overlaps the first modules' forward. state_dict(), step() and
+    # zero.full_state_dict() wait for all of it.
+    # -------------------------------------------------------------------------------------
+    def _install_wait_hooks(self):
+        for m in self.module.modules():
+            own = list(m.parameters(recurse=False))
+            if own:
+                end = max(self.offsets[self.index[p] + 1] for p in own)
+                m.register_forward_pre_hook(lambda mod, args, end=end: self._wait_params(end))
+        self.module.register_state_dict_pre_hook(lambda *args: self._wait_params())
+
+    def _wait_params(self, end=math.inf):
+        """Wait for the broadcasts that step() left in flight, of flat elements [0, end)."""
+        while self.param_gathers and self.param_gathers[0][0] < end:
+            self.param_gathers.pop(0)[1].wait()
 
     def _update_loss_scale(self):
         s = self.scaler
@@ -662,6 +692,7 @@ class ZeroOptimizer:
         return full
 
     def full_state_dict(self):
+        self._wait_params()
         # the fp32 master weights where they exist, else the parameters themselves
         flat = self._full(self.master) if self.master_dtype else \
             self.flat_param if self.stage < 3 else self._full(self.param_shard)
@@ -799,6 +830,11 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     stage3_units: modules (e.g. transformer blocks) whose parameters stage 3 gathers together,
     in one go before the unit's forward and backward; other modules gather their own.
     prefetch: at stage 3, issue the next unit's gather while the current one computes.
+
+    At stages 1-2, step() returns with the all-gather of the updated parameters still in
+    flight: each module's forward waits for its own part, and module.state_dict(),
+    zero.full_state_dict() and the next step() wait for all of it. Read the parameters any
+    other way (p.data, parameters_to_vector) only after one of those.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("zero.initialize needs a process group: call torch.distributed.init_process_group"
