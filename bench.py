@@ -6,25 +6,30 @@ formula; a sampled peak; bytes sent per rank per step beside Section 7; the fina
 every system must share (same seed, same weights, same data).
 
     python bench.py                                              # world 2, small preset, every system
-    python bench.py --world 2 --steps 3 --warmup 1 --repeats 1   # smoke: each row once
-    python bench.py --systems ddp zero3 --steps 10               # a subset
+    python bench.py --world 2 --steps 1 --warmup 1 --repeats 1   # smoke: each row once
+    python bench.py --systems ddp fsdp2 zero3 --repeats 20       # a subset, more rounds
     python bench.py --json > bench.json                          # the rows as one JSON object
 
-Each run is a fresh gloo process group of --world spawned ranks (memory_table.run_on_ranks).
-Runs go round-robin, --repeats times (ddp, zero1, ..., ddp, zero1, ...), so a slow minute of the
-machine shows as spread, not as a difference between systems. Progress goes to stderr.
+Each system is a fresh gloo process group of --world spawned ranks (memory_table.run_on_ranks),
+all started at once and then driven in turns: round after round (--repeats), each system in
+turn runs --steps steps while the others wait, so a slow minute of the machine slows every
+system of the round alike. Ratios are paired by round. Progress goes to stderr.
 """
 import argparse
+import contextlib
 import importlib.util
 import json
+import queue
 import os
 import statistics
 import sys
+import threading
 import time
 from collections import Counter
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from tabulate import tabulate
 
 import memory_table
@@ -52,9 +57,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2, help="ranks: the data-parallel degree Nd")
     p.add_argument("--model", default="small", choices=list(PRESETS), help="gpt.py preset")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
-    p.add_argument("--repeats", type=int, default=3, help="runs of each system, interleaved")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per turn")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before the first turn")
+    p.add_argument("--repeats", type=int, default=10, help="rounds: turns of each system, interleaved")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
@@ -106,10 +111,11 @@ def build(system, args):
     if system.startswith("deepspeed"):    # only when importable (see main); ran here with DeepSpeed 0.19.8
         os.environ["DS_ACCELERATOR"] = "cpu"
         import deepspeed
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), **adamw),
-                                          config={"train_micro_batch_size_per_gpu": args.batch_size,
-                                                  "zero_allow_untested_optimizer": True,
-                                                  "zero_optimization": {"stage": int(system[-1])}})
+        with contextlib.redirect_stdout(sys.stderr):  # its build messages would spoil --json on stdout
+            engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), **adamw),
+                                              config={"train_micro_batch_size_per_gpu": args.batch_size,
+                                                      "zero_allow_untested_optimizer": True,
+                                                      "zero_optimization": {"stage": int(system[-1])}})
         return engine, engine.backward, engine.step  # engine.step also zeroes the gradients
     model, opt = zero.initialize(model, torch.optim.AdamW, stage=int(system[-1]), stage3_units=model.h, **adamw)
     return model, torch.Tensor.backward, lambda: (opt.step(), opt.zero_grad())
@@ -125,25 +131,38 @@ def get_batch(gen, args):
 
 
 # ---------------------------------------------------------------------------
-# One run: every rank of a fresh process group trains one system, then reports.
+# Every system lives in its own fresh process group of --world ranks (memory_table.run_on_ranks),
+# all started at once; the ranks then wait for orders. The machine's speed drifts (measured here:
+# a fixed matmul ran 2.3x faster from one half-minute to the next), so the systems take turns, a
+# few steps each, round after round: a slow minute slows every system of the rounds it spans.
 # ---------------------------------------------------------------------------
-def run_rank(system, args):
-    """On each rank of a fresh process group (memory_table.run_on_ranks): train, probe, report."""
+def serve_rank(system, args, inboxes, outbox):
+    """On each rank of the system's process group: build, warm up, then run what the inbox says:
+    "turn" (--steps steps, timed, then report), or "probe" (one step, measured, then return)."""
     torch.set_num_threads(args.threads)  # 2 ranks x 2 threads on 2 cores ran 1.5-1.8x slower
+    rank = dist.get_rank()
     if args.pin and hasattr(os, "sched_setaffinity"):  # rank r on core r (mod cores), for every system
         cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[dist.get_rank() % len(cores)]})
-    gen = torch.Generator().manual_seed(args.seed * 1000 + dist.get_rank())  # each rank its own batches, every system
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches, every system
     baseline = zero.live_tensor_bytes()  # before the model: what torch and the process group hold already
     model, backward, step = build(system, args)
-    times = []
-    for i in range(args.warmup + args.steps):
+
+    def train_step():
         x, y = get_batch(gen, args)
-        t0 = time.perf_counter()
         backward(model(x, y)[1])
         step()
-        if i >= args.warmup:
-            times.append((time.perf_counter() - t0) * 1000)
+
+    for _ in range(args.warmup):
+        train_step()
+    outbox.put((rank, "ready"))
+    while inboxes[rank].get() == "turn":
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            train_step()
+        if hasattr(model, "_zero"):  # zero.py stages 1-2 leave the parameter all-gather in flight:
+            model._zero._wait_params()  # the turn ends when it lands (no overlap with another turn)
+        outbox.put((rank, (time.perf_counter() - t0) * 1000 / args.steps))
 
     # One more step, untimed and probed: each sample is the live tensors less the baseline and
     # this step's batch. After backward that is the model states (parameters, gradients, AdamW's
@@ -161,8 +180,42 @@ def run_rank(system, args):
     sent = Counter()
     for (phase, name), n in counter.bytes.items():
         sent[name] += float(n)
-    return dict(ms=times, loss=loss.item(), model_states=after_backward,
+    return dict(loss=loss.item(), model_states=after_backward,
                 peak=max(after_forward, after_backward, after_step), sent=dict(sent))
+
+
+class Server:
+    """One system's process group, run from a thread of this process; ask() sends an order to
+    every rank and returns their replies in rank order."""
+
+    def __init__(self, system, args):
+        ctx = mp.get_context("spawn")
+        self.system, self.nd = system, args.world
+        self.inboxes, self.outbox, self.result, self.error = [ctx.Queue() for _ in range(self.nd)], ctx.Queue(), None, None
+        self.thread = threading.Thread(target=self._run, args=(args,), daemon=True)
+        self.thread.start()
+
+    def _run(self, args):
+        try:
+            self.result = memory_table.run_on_ranks(self.nd, serve_rank, self.system, args, self.inboxes, self.outbox)
+        except Exception as e:  # a rank failed: ask() reports it
+            self.error = e
+
+    def replies(self):
+        out = {}
+        while len(out) < self.nd:
+            try:
+                rank, value = self.outbox.get(timeout=1)
+                out[rank] = value
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    raise RuntimeError(f"{self.system} stopped: {self.error}")
+        return [out[r] for r in range(self.nd)]
+
+    def ask(self, order):
+        for inbox in self.inboxes:
+            inbox.put(order)
+        return self.replies()
 
 
 # ---------------------------------------------------------------------------
@@ -171,42 +224,25 @@ def run_rank(system, args):
 # round (see ratio); where its range holds 1 it is marked ≈: we claim no difference smaller
 # than the noise.
 # ---------------------------------------------------------------------------
-def timing(runs):
-    """(median, lo, hi) in ms: the runs' median steps and their min-max; one run: its steps' IQR."""
-    medians = [statistics.median(ranks[0]["ms"]) for ranks in runs]
-    if len(runs) > 1:
-        return statistics.median(medians), min(medians), max(medians)
-    steps = runs[0][0]["ms"]
-    q = statistics.quantiles(steps, n=4, method="inclusive") if len(steps) > 1 else steps * 3
-    return statistics.median(steps), q[0], q[-1]
-
-
 def ratio(a, b):
     """a's time / b's, paired by round: the median of the rounds' ratios and their min-max, so a
-    slow minute of the machine, which slows both runs of a round, does not show as a difference
-    (one run: its median over b's, in [a lo / b hi, a hi / b lo])."""
-    if len(a["run_medians"]) > 1:
-        rounds = [x / y for x, y in zip(a["run_medians"], b["run_medians"])]
-        r, lo, hi = statistics.median(rounds), min(rounds), max(rounds)
-    else:
-        r, lo, hi = a["ms"] / b["ms"], a["ms_lo"] / b["ms_hi"], a["ms_hi"] / b["ms_lo"]
+    slow minute of the machine, which slows both turns of a round, does not show as a difference."""
+    rounds = [x / y for x, y in zip(a["rounds"], b["rounds"])]
+    r, lo, hi = statistics.median(rounds), min(rounds), max(rounds)
     return f"{'≈ ' if lo <= 1 <= hi else ''}{r:.2f} [{lo:.2f}-{hi:.2f}]"
 
 
-def summarize(system, runs, args, psi):
+def summarize(system, rounds, ranks, args, psi):
     label, stage, volume = SYSTEMS[system]
-    ranks = runs[-1]  # memory and bytes repeat exactly from run to run
-    ms, ms_lo, ms_hi = timing(runs)
-    return dict(system=system, label=label, ms=ms, ms_lo=ms_lo, ms_hi=ms_hi,
-                run_medians=[statistics.median(r[0]["ms"]) for r in runs],
-                model_states=max(r["model_states"] for r in ranks), formula_name=FORMULA[stage],
+    return dict(system=system, label=label, ms=statistics.median(rounds), ms_lo=min(rounds), ms_hi=max(rounds),
+                rounds=rounds, model_states=max(r["model_states"] for r in ranks), formula_name=FORMULA[stage],
                 formula=memory_table.model_state_bytes(psi, args.world, stage, K=8, param_bytes=4, grad_bytes=4),
                 peak=max(r["peak"] for r in ranks),
                 # DeepSpeed calls its collectives through deepspeed.comm: wrapping torch.distributed
                 # sees only part of them (measured: ZeRO-1/2 the gradient all-reduce only, ZeRO-3 none)
                 sent=None if system.startswith("deepspeed") else max(sum(r["sent"].values()) for r in ranks),
                 sent_by_collective=ranks[0]["sent"], section7=volume * (args.world - 1) / args.world * 4 * psi,
-                losses=[sum(r["loss"] for r in ranks) / len(ranks) for ranks in runs])  # per run: the ranks' mean
+                loss=sum(r["loss"] for r in ranks) / len(ranks))  # the ranks' mean
 
 
 def table(rows, args, psi, notes):
@@ -217,14 +253,14 @@ def table(rows, args, psi, notes):
               f"{r['section7'] / MB:.2f}",
               "not seen (deepspeed.comm)" if r["sent"] is None else
               ", ".join(f"{k} {v / MB:.1f}" for k, v in r["sent_by_collective"].items() if v >= 0.05 * MB),
-              f"{r['losses'][-1]:.6f}"] for r in rows]
+              f"{r['loss']:.6f}"] for r in rows]
     headers = ["system", "ms/step [spread]", "vs DDP", "states MB", "Section 5 MB", "ratio", "peak MB",
                "sent MB", "Section 7 MB", "sent by collective, MB", "final loss"]
     legend = [f"world {args.world} (gloo, CPU, {args.threads} thread/rank{', pinned' if args.pin else ''}) | {args.model}: Ψ = {psi / 1e6:.2f}M | "
-              f"batch {args.batch_size} x {args.seq_len} per rank | {args.warmup} warm-up + {args.steps} timed steps "
-              f"| {args.repeats} interleaved run(s) per system",
-              "ms/step: median; spread: min-max of the runs' medians (one run: the IQR of its steps); "
-              "vs DDP: the median of the rounds' ratios [min-max]; ≈: that range holds 1, a difference within the noise",
+              f"batch {args.batch_size} x {args.seq_len} per rank | {args.warmup} warm-up steps, then {args.repeats} "
+              f"round(s) of one {args.steps}-step turn per system",
+              "ms/step: median over the rounds [min-max]; vs DDP: the median of the rounds' ratios [min-max]; "
+              "≈: that range holds 1, a difference within the noise",
               "states: live tensors after backward less a baseline taken before the model and less the batch; "
               "peak: the largest of 3 samples (after forward, backward, step)",
               "sent: bytes handed to torch.distributed per step (ring algorithms; a broadcast (Nd-1)/Nd of it per rank); Section 7: (Nd-1)/Nd x 2Ψ x 4 B, "
@@ -237,21 +273,32 @@ def main(argv=None):
     skipped = [s for s in args.systems if s.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None]
     args.systems = [s for s in args.systems if s not in skipped]
     psi = num_params(PRESETS[args.model])
-    runs = {s: [] for s in args.systems}
+    t0 = time.perf_counter()
+    servers = {s: Server(s, args) for s in args.systems}  # all start (and warm up) at once
+    for server in servers.values():
+        server.replies()  # "ready"
+    print(f"{len(servers)} systems x {args.world} ranks started and warmed up in {time.perf_counter() - t0:.0f} s",
+          file=sys.stderr)
+    times = {s: [] for s in args.systems}  # per round: rank 0's ms per step in its turn
     for repeat in range(args.repeats):  # round-robin: ddp, zero1, ..., ddp, zero1, ...
-        for system in args.systems:
-            t0 = time.perf_counter()
-            runs[system].append(memory_table.run_on_ranks(args.world, run_rank, system, args))
-            print(f"run {repeat + 1}/{args.repeats} {system:15s} {statistics.median(runs[system][-1][0]['ms']):7.1f} "
-                  f"ms/step ({time.perf_counter() - t0:.1f} s with start-up)", file=sys.stderr)
-    rows = {s: summarize(s, runs[s], args, psi) for s in args.systems}
+        for s, server in servers.items():
+            times[s].append(server.ask("turn")[0])
+        print(f"round {repeat + 1}/{args.repeats}: " + ", ".join(f"{s} {times[s][-1]:.0f}" for s in servers)
+              + " ms/step", file=sys.stderr)
+    for server in servers.values():  # the probe step, one system at a time
+        for inbox in server.inboxes:
+            inbox.put("probe")
+        server.thread.join()
+        if server.error:
+            raise server.error
+    rows = {s: summarize(s, times[s], servers[s].result, args, psi) for s in args.systems}
     notes = []
     for r in rows.values():
         r["vs_ddp"] = ratio(r, rows["ddp"]) if "ddp" in rows else "n/a"
-    first = next(iter(rows.values()))["losses"][0]
-    differ = [r["label"] for r in rows.values() if any(loss != first for loss in r["losses"])]
+    first = next(iter(rows.values()))["loss"]
+    differ = [r["label"] for r in rows.values() if r["loss"] != first]
     notes.append(f"final loss: differs for {', '.join(differ)}" if differ else
-                 "final loss: the same float for every system and every run")
+                 "final loss: the same float for every system")
     if "fsdp2" in rows and "zero3" in rows:
         notes.append(f"zero.py stage 3 / FSDP2 step time: {ratio(rows['zero3'], rows['fsdp2'])}")
     if skipped:

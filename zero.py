@@ -420,7 +420,7 @@ class ZeroOptimizer:
             self.group_trainable[self.group_of[p]] += 1
         self.refcount = [0] * len(self.groups)
         self.module.register_forward_hook(lambda mod, args, out: self._end_forward())
-        self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, []
+        self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, {}
 
     def _make_group(self, members):
         """One buffer for `members`, in flat order; each parameter becomes a view into it. runs:
@@ -442,11 +442,14 @@ class ZeroOptimizer:
         return buf, runs
 
     def _gather(self, gids, prefetch=False):
-        self._finish_prefetch()  # at most one gather in flight: complete it first
+        """Gather groups gids (prefetch: leave the broadcasts in flight). Returns their elements."""
         for g in gids:
             buf, runs = self.groups[g]
+            if g in self.in_flight and not prefetch:  # prefetched: wait for its broadcasts
+                for work in self.in_flight.pop(g):
+                    work.wait()
             if buf.numel() == 0 or buf.untyped_storage().nbytes() > 0:
-                continue  # gathered already
+                continue  # gathered already (or on its way)
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
             # Before: each parameter had a storage of its own, and broadcasts landed in a staging
             # buffer copied out into them; now a group's parameters are views into one buffer,
@@ -460,23 +463,30 @@ class ZeroOptimizer:
                         part = buf[at + lo - a:at + hi - a]
                         if j == self.rank:
                             part.copy_(self.param_shard[lo - self.lo:hi - self.lo])
-                        # (hi - lo,) from rank j; a prefetch is waited for at the next gather
+                        # (hi - lo,) from rank j; a prefetch is waited for when the group is used
                         work = dist.broadcast(part, group_src=j, group=self.group, async_op=prefetch)
                         if prefetch:
-                            self.in_flight.append(work)
+                            self.in_flight.setdefault(g, []).append(work)
+        return sum(self.groups[g][0].numel() for g in gids)
 
     def _finish_prefetch(self):
-        for work in self.in_flight:
-            work.wait()
-        self.in_flight = []
+        for works in self.in_flight.values():
+            for work in works:
+                work.wait()
+        self.in_flight = {}
 
     def _prefetch(self, gids, step):
         """Before: each unit's gather waited for its own forward or backward; now the next
-        unit's broadcasts (in the order the first forward ran them, reversed in backward) are
-        issued as this one starts, and overlap its compute."""
+        units' broadcasts (in the order the first forward ran them, reversed in backward) are
+        issued as this one starts, and overlap its compute. Before: the next unit only; now
+        units up to `prefetch` times the largest unit's elements, so that a small module
+        between two blocks (an embedding, the final LayerNorm) does not leave the next block's
+        gather exposed."""
         k = self.unit_position.get(id(gids))
-        if self.prefetch and k is not None and 0 <= k + step < len(self.unit_order):
-            self._gather(self.unit_order[k + step], prefetch=True)
+        budget = self.prefetch * max(buf.numel() for buf, runs in self.groups)
+        while k is not None and budget > 0 and 0 <= k + step < len(self.unit_order):
+            k += step
+            budget -= self._gather(self.unit_order[k], prefetch=True)
 
     def _end_forward(self):
         self._finish_prefetch()
@@ -814,7 +824,7 @@ def checkpoint_activations(blocks, tp_group=None, partition=False, cpu=False, co
 # Entry points
 # -----------------------------------------------------------------------------------------
 def initialize(module, optimizer_class, stage, group=None, param_groups=None, bucket_numel=DEFAULT_BUCKET_NUMEL,
-               param_dtype=None, reduce_dtype=None, loss_scale=None, stage3_units=None, prefetch=True,
+               param_dtype=None, reduce_dtype=None, loss_scale=None, stage3_units=None, prefetch=1,
                **optimizer_kwargs):
     """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world).
 
@@ -829,7 +839,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     (the default for float16) or a number for a static scale; then call optimizer.backward(loss).
     stage3_units: modules (e.g. transformer blocks) whose parameters stage 3 gathers together,
     in one go before the unit's forward and backward; other modules gather their own.
-    prefetch: at stage 3, issue the next unit's gather while the current one computes.
+    prefetch: at stage 3, gather the next units while the current one computes, up to this
+    many times the largest unit's elements ahead (0: no prefetch).
 
     At stages 1-2, step() returns with the all-gather of the updated parameters still in
     flight: each module's forward waits for its own part, and module.state_dict(),
@@ -881,6 +892,9 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         missing = [n for n, p in module.named_parameters() if p.requires_grad and p not in set(listed)]
         if missing:
             raise ValueError(f"param_groups leaves out trainable parameters {missing}: add them to a group")
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be 0 (off) or more: how many largest units' worth of parameters stage 3 "
+                         f"gathers ahead (got {prefetch!r})")
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be at least 1 (got {bucket_numel})")
     optimizer = ZeroOptimizer(module, optimizer_class, stage, group, param_groups, bucket_numel,
