@@ -61,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the first turn")
     p.add_argument("--repeats", type=int, default=10, help="rounds: turns of each system, interleaved")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (2 ranks x 1 on 2 cores: fastest)")
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,

@@ -1,4 +1,4 @@
-"""bench.py end to end on the tiny GPT: two systems, one step each, in their own process groups.
+"""bench.py end to end on the tiny GPT: two systems in their own process groups, one turn each.
 
     python -m pytest test_bench.py
 """
@@ -14,7 +14,7 @@ def test_bench_ddp_and_zero3_share_the_loss_and_meet_sections_5_and_7_at_world_2
                        "--warmup", "0", "--repeats", "1", "--systems", "ddp", "zero3", "--json"])
     psi, nd = num_params(PRESETS["tiny"]), 2
     ddp, zero3 = rows["ddp"], rows["zero3"]
-    assert ddp["losses"] == zero3["losses"]  # at world 2 every sum order gives the same bits
+    assert ddp["loss"] == zero3["loss"]  # at world 2 every sum order gives the same bits
     # Section 5, fp32 AdamW (K = 8): 16Ψ replicated, 16Ψ/Nd at P_os+g+p. Beyond the formula: AdamW's
     # 4-byte step counters and stage 3's padding of Ψ to a multiple of Nd, a few hundred bytes.
     assert ddp["model_states"] == pytest.approx(16 * psi, rel=1e-4)
