@@ -12,8 +12,9 @@ every system must share (same seed, same weights, same data).
 
 Each system is a fresh gloo process group of --world spawned ranks (memory_table.run_on_ranks),
 all started at once and then driven in turns: round after round (--repeats), each system in
-turn runs --steps steps while the others wait, so a slow minute of the machine slows every
-system of the round alike. Ratios are paired by round. Progress goes to stderr.
+turn runs --steps steps while the others wait, between two turns of one more DDP process group,
+the clock. A ratio to DDP is a turn's time over the clock's around it, so the machine's drift
+cancels; the DDP row against the clock shows the noise that is left. Progress goes to stderr.
 """
 import argparse
 import contextlib
@@ -134,7 +135,8 @@ def get_batch(gen, args):
 # Every system lives in its own fresh process group of --world ranks (memory_table.run_on_ranks),
 # all started at once; the ranks then wait for orders. The machine's speed drifts (measured here:
 # a fixed matmul ran 2.3x faster from one half-minute to the next), so the systems take turns, a
-# few steps each, round after round: a slow minute slows every system of the rounds it spans.
+# few steps each, round after round, and every turn is timed against a DDP clock run just
+# before and after it (main).
 # ---------------------------------------------------------------------------
 def serve_rank(system, args, inboxes, outbox):
     """On each rank of the system's process group: build, warm up, then run what the inbox says:
@@ -219,23 +221,27 @@ class Server:
 
 
 # ---------------------------------------------------------------------------
-# The table. Time: rank 0's median step in each run; the median of those, with the min-max of
-# them as the spread (one run: the interquartile range of its steps). A ratio is paired by
-# round (see ratio); where its range holds 1 it is marked ≈: we claim no difference smaller
-# than the noise.
+# The table. Time: rank 0's ms per step in each round's turn: their median and interquartile
+# range. A ratio: one per round against the DDP clock (main), the same way; where its range
+# holds 1 it is marked ≈: we claim no difference smaller than the noise.
 # ---------------------------------------------------------------------------
-def ratio(a, b):
-    """a's time / b's, paired by round: the median of the rounds' ratios and their min-max, so a
-    slow minute of the machine, which slows both turns of a round, does not show as a difference."""
-    rounds = [x / y for x, y in zip(a["rounds"], b["rounds"])]
-    r, lo, hi = statistics.median(rounds), min(rounds), max(rounds)
+def spread(values):
+    """(median, lo, hi): the median and the interquartile range (one value: itself)."""
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return statistics.median(values), q[0], q[-1]
+
+
+def ratio(rounds):
+    """A ratio per round, as the median [interquartile range]; ≈ where that range holds 1."""
+    r, lo, hi = spread(rounds)
     return f"{'≈ ' if lo <= 1 <= hi else ''}{r:.2f} [{lo:.2f}-{hi:.2f}]"
 
 
-def summarize(system, rounds, ranks, args, psi):
+def summarize(system, rounds, vs_clock, ranks, args, psi):
     label, stage, volume = SYSTEMS[system]
-    return dict(system=system, label=label, ms=statistics.median(rounds), ms_lo=min(rounds), ms_hi=max(rounds),
-                rounds=rounds, model_states=max(r["model_states"] for r in ranks), formula_name=FORMULA[stage],
+    ms, ms_lo, ms_hi = spread(rounds)
+    return dict(system=system, label=label, ms=ms, ms_lo=ms_lo, ms_hi=ms_hi, rounds=rounds, vs_clock=vs_clock,
+                model_states=max(r["model_states"] for r in ranks), formula_name=FORMULA[stage],
                 formula=memory_table.model_state_bytes(psi, args.world, stage, K=8, param_bytes=4, grad_bytes=4),
                 peak=max(r["peak"] for r in ranks),
                 # DeepSpeed calls its collectives through deepspeed.comm: wrapping torch.distributed
@@ -259,8 +265,9 @@ def table(rows, args, psi, notes):
     legend = [f"world {args.world} (gloo, CPU, {args.threads} thread/rank{', pinned' if args.pin else ''}) | {args.model}: Ψ = {psi / 1e6:.2f}M | "
               f"batch {args.batch_size} x {args.seq_len} per rank | {args.warmup} warm-up steps, then {args.repeats} "
               f"round(s) of one {args.steps}-step turn per system",
-              "ms/step: median over the rounds [min-max]; vs DDP: the median of the rounds' ratios [min-max]; "
-              "≈: that range holds 1, a difference within the noise",
+              "ms/step: median over the rounds [interquartile range]; vs DDP: per round, the system's time over the "
+              "mean of the DDP clock's turns just before and after it: median [interquartile range]; "
+              "≈: that range holds 1, a difference within the noise; the DDP row is DDP against the clock (A/A)",
               "states: live tensors after backward less a baseline taken before the model and less the batch; "
               "peak: the largest of 3 samples (after forward, backward, step)",
               "sent: bytes handed to torch.distributed per step (ring algorithms; a broadcast (Nd-1)/Nd of it per rank); Section 7: (Nd-1)/Nd x 2Ψ x 4 B, "
@@ -279,28 +286,41 @@ def main(argv=None):
         server.replies()  # "ready"
     print(f"{len(servers)} systems x {args.world} ranks started and warmed up in {time.perf_counter() - t0:.0f} s",
           file=sys.stderr)
+    # Each turn is bracketed by two turns of a clock: one more DDP process group, timed but not
+    # reported. A system's ratio in a round is its time over the mean of the clock's just before
+    # and after it (seconds apart), so the machine's drift cancels; the DDP row's ratio is DDP
+    # against the clock, an A/A test: its spread is the noise floor.
     times = {s: [] for s in args.systems}  # per round: rank 0's ms per step in its turn
-    for repeat in range(args.repeats):  # round-robin: ddp, zero1, ..., ddp, zero1, ...
-        for s, server in servers.items():
-            times[s].append(server.ask("turn")[0])
-        print(f"round {repeat + 1}/{args.repeats}: " + ", ".join(f"{s} {times[s][-1]:.0f}" for s in servers)
+    vs_clock = {s: [] for s in args.systems}
+    clock = servers["clock"] = Server("ddp", args)
+    clock.replies()
+    for repeat in range(args.repeats):
+        order = args.systems[repeat % len(args.systems):] + args.systems[:repeat % len(args.systems)]  # rotated
+        before = clock.ask("turn")[0]
+        for s in order:
+            times[s].append(servers[s].ask("turn")[0])
+            after = clock.ask("turn")[0]
+            vs_clock[s].append(times[s][-1] / ((before + after) / 2))
+            before = after
+        print(f"round {repeat + 1}/{args.repeats}: " + ", ".join(f"{s} {times[s][-1]:.0f}" for s in order)
               + " ms/step", file=sys.stderr)
-    for server in servers.values():  # the probe step, one system at a time
+    for server in servers.values():  # the probe step, one system at a time (the clock's is not used)
         for inbox in server.inboxes:
             inbox.put("probe")
         server.thread.join()
         if server.error:
             raise server.error
-    rows = {s: summarize(s, times[s], servers[s].result, args, psi) for s in args.systems}
+    rows = {s: summarize(s, times[s], vs_clock[s], servers[s].result, args, psi) for s in args.systems}
     notes = []
     for r in rows.values():
-        r["vs_ddp"] = ratio(r, rows["ddp"]) if "ddp" in rows else "n/a"
+        r["vs_ddp"] = ratio(r["vs_clock"])
     first = next(iter(rows.values()))["loss"]
     differ = [r["label"] for r in rows.values() if r["loss"] != first]
     notes.append(f"final loss: differs for {', '.join(differ)}" if differ else
                  "final loss: the same float for every system")
     if "fsdp2" in rows and "zero3" in rows:
-        notes.append(f"zero.py stage 3 / FSDP2 step time: {ratio(rows['zero3'], rows['fsdp2'])}")
+        notes.append("zero.py stage 3 / FSDP2 step time: "
+                     + ratio([a / b for a, b in zip(rows["zero3"]["vs_clock"], rows["fsdp2"]["vs_clock"])]))
     if skipped:
         notes.append(f"skipped {', '.join(skipped)}: deepspeed is not installed (pip install deepspeed)")
     if args.json:
