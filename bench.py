@@ -199,7 +199,8 @@ class Server:
 
     def _run(self, args):
         try:
-            self.result = memory_table.run_on_ranks(self.nd, serve_rank, self.system, args, self.inboxes, self.outbox)
+            self.result = memory_table.run_on_ranks(self.nd, serve_rank, self.system, args, self.inboxes, self.outbox,
+                                                    timeout=None)  # the ranks live as long as the benchmark
         except Exception as e:  # a rank failed: ask() reports it
             self.error = e
 
@@ -211,7 +212,7 @@ class Server:
                 out[rank] = value
             except queue.Empty:
                 if not self.thread.is_alive():
-                    raise RuntimeError(f"{self.system} stopped: {self.error}")
+                    raise RuntimeError(f"{self.system} stopped: {self.error!r}")
         return [out[r] for r in range(self.nd)]
 
     def ask(self, order):

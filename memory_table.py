@@ -270,7 +270,8 @@ def _rank_main(rank, nd, port, fn, args, results):
         dist.destroy_process_group()
 
 
-def run_on_ranks(nd, fn, *args):
+def run_on_ranks(nd, fn, *args, timeout=600):
+    """timeout: seconds to wait for the ranks' results (None: no limit, for bench.py's long-lived ranks)."""
     import socket
     import torch.multiprocessing as mp
     with socket.socket() as s:
@@ -283,7 +284,7 @@ def run_on_ranks(nd, fn, *args):
         p.start()
     out = {}
     for _ in range(nd):
-        rank, ok, value = results.get(timeout=600)
+        rank, ok, value = results.get(timeout=timeout)
         if not ok:   # the other ranks may wait forever in a collective this one left
             for p in procs:
                 p.kill()

@@ -384,8 +384,8 @@ class ZeroOptimizer:
     # -------------------------------------------------------------------------------------
     # Section 5.3 -- P_os+g+p: parameters exist in full only while a module uses them.
     # Before a module's forward, and again before its backward, the owners of its
-    # parameters broadcast their parts (Section 7.2.2); after the forward, and once each
-    # parameter's gradient is complete in backward, the full copy is freed. Every rank must
+    # parameters broadcast their parts (Section 7.2.2); after the forward, and in backward once
+    # the gradients of all of them are complete, the full copy is freed. Every rank must
     # run the same modules in the same order (as with FSDP and DeepSpeed ZeRO-3).
     # Per-rank model states: (4 + 4 + K)Ψ/Nd.
     # -------------------------------------------------------------------------------------
@@ -410,7 +410,7 @@ class ZeroOptimizer:
         for m, own in owned:
             for members in [[p for p in own if p not in shared]] + [[p] for p in own if p in shared]:
                 if members and members[0] not in self.group_of:
-                    self.groups.append(self._make_group(members))
+                    self.groups.append(self._make_group(members, len(self.groups)))
             gids = tuple(sorted({self.group_of[p] for p in own}))
             m.register_forward_pre_hook(lambda mod, args, gids=gids: self._pre_forward(gids))
             m.register_forward_hook(lambda mod, args, out, gids=gids: self._post_forward(gids, out))
@@ -422,10 +422,10 @@ class ZeroOptimizer:
         self.module.register_forward_hook(lambda mod, args, out: self._end_forward())
         self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, {}
 
-    def _make_group(self, members):
-        """One buffer for `members`, in flat order; each parameter becomes a view into it. runs:
-        [flat start, flat end, position in the buffer] of each stretch of the flat space it
-        holds (one for a block, whose parameters lie end to end)."""
+    def _make_group(self, members, g):
+        """Group g: one buffer for `members`, in flat order; each parameter becomes a view into
+        it. runs: [flat start, flat end, position in the buffer] of each stretch of the flat
+        space it holds (one for a block, whose parameters lie end to end)."""
         members = sorted(members, key=lambda p: self.index[p])
         buf = torch.empty(sum(p.numel() for p in members), dtype=self.param_dtype, device=self.device)
         runs, at = [], 0
@@ -436,7 +436,7 @@ class ZeroOptimizer:
             else:
                 runs.append([a, a + p.numel(), at])
             p.data = buf[at:at + p.numel()].view(p.shape)
-            self.group_of[p] = len(self.groups)
+            self.group_of[p] = g
             at += p.numel()
         self._free(buf)  # empty until a module gathers it
         return buf, runs
