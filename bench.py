@@ -276,11 +276,8 @@ def table(rows, args, psi, notes):
     return tabulate(lines, headers, disable_numparse=True) + "\n" + "\n".join(legend + notes)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    skipped = [s for s in args.systems if s.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None]
-    args.systems = [s for s in args.systems if s not in skipped]
-    psi = num_params(PRESETS[args.model])
+def drive(args):
+    """Start every system and the clock, run the rounds and the probes: (times, vs_clock, results)."""
     t0 = time.perf_counter()
     servers = {s: Server(s, args) for s in args.systems}  # all start (and warm up) at once
     for server in servers.values():
@@ -311,7 +308,21 @@ def main(argv=None):
         server.thread.join()
         if server.error:
             raise server.error
-    rows = {s: summarize(s, times[s], vs_clock[s], servers[s].result, args, psi) for s in args.systems}
+    return times, vs_clock, {s: server.result for s, server in servers.items()}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    skipped = [s for s in args.systems if s.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None]
+    args.systems = [s for s in args.systems if s not in skipped]
+    psi = num_params(PRESETS[args.model])
+    try:
+        times, vs_clock, results = drive(args)
+    except BaseException:
+        for p in mp.active_children():  # ranks left waiting for orders would keep this process alive
+            p.kill()
+        raise
+    rows = {s: summarize(s, times[s], vs_clock[s], results[s], args, psi) for s in args.systems}
     notes = []
     for r in rows.values():
         r["vs_ddp"] = ratio(r["vs_clock"])
