@@ -251,6 +251,42 @@ def test_reads_after_step_wait_for_the_parameter_all_gather(world, stage):
 
 
 # -----------------------------------------------------------------------------------------
+# Stage 3 frees a module's parameters in backward once all their gradients are in; a frozen
+# weight beside a trainable bias (its gradient arrives before the weight's last use) stays
+# -----------------------------------------------------------------------------------------
+class FrozenWeightTrainableBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(DIM, DIM), requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(DIM))
+
+    def forward(self, x):
+        return x @ self.w.T + self.b  # add's backward gives b its gradient before matmul's uses w
+
+
+def on_rank_frozen_weight_losses(stage):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(DIM, DIM), FrozenWeightTrainableBias(), nn.Linear(DIM, 1))
+    model, opt = zero.initialize(model, torch.optim.SGD, stage=stage, lr=0.1)
+    losses = []
+    for step in range(3):
+        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1000 * step + dist.get_rank()))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage3_keeps_a_frozen_weight_until_backward_is_done_with_it(world):
+    baseline = world(2).run(on_rank_frozen_weight_losses, 0)
+    for got, want in zip(world(2).run(on_rank_frozen_weight_losses, 3), baseline):
+        assert torch.equal(got, want), (got, want)
+
+
+# -----------------------------------------------------------------------------------------
 # The stage really partitions: bytes alive on each rank after backward = the paper's formula
 # -----------------------------------------------------------------------------------------
 def live_storages():

@@ -415,10 +415,15 @@ class ZeroOptimizer:
             m.register_forward_pre_hook(lambda mod, args, gids=gids: self._pre_forward(gids))
             m.register_forward_hook(lambda mod, args, out, gids=gids: self._post_forward(gids, out))
         self.shared = {self.group_of[p] for p in shared}
+        # In backward a group is freed when its last gradient arrives; one that holds a frozen
+        # parameter (no gradient says when backward is done with it) at the end of backward.
         self.group_trainable = [0] * len(self.groups)
         for p in self.params[:self.n_trainable]:
             self.group_trainable[self.group_of[p]] += 1
+        for p in self.params[self.n_trainable:]:
+            self.group_trainable[self.group_of[p]] = math.inf  # never counted down to 0
         self.refcount = [0] * len(self.groups)
+        self.prefetch_numel = self.prefetch * max(buf.numel() for buf, runs in self.groups)  # see _prefetch
         self.module.register_forward_hook(lambda mod, args, out: self._end_forward())
         self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, {}
 
@@ -482,8 +487,7 @@ class ZeroOptimizer:
         units up to `prefetch` times the largest unit's elements, so that a small module
         between two blocks (an embedding, the final LayerNorm) does not leave the next block's
         gather exposed."""
-        k = self.unit_position.get(id(gids))
-        budget = self.prefetch * max(buf.numel() for buf, runs in self.groups)
+        k, budget = self.unit_position.get(id(gids)), self.prefetch_numel
         while k is not None and budget > 0 and 0 <= k + step < len(self.unit_order):
             k += step
             budget -= self._gather(self.unit_order[k], prefetch=True)
