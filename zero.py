@@ -459,19 +459,13 @@ class ZeroOptimizer:
             # Before: each parameter had a storage of its own, and broadcasts landed in a staging
             # buffer copied out into them; now a group's parameters are views into one buffer,
             # and each owner broadcasts its part straight into it (one allocation, no copy).
-            for j in range(self.nd):
-                j_lo, j_hi = j * self.shard_numel, (j + 1) * self.shard_numel
-                for a, b, at in runs:
-                    # C_B (Section 6.2): in broadcasts of at most bucket_numel elements, whatever the size
-                    for lo in range(max(a, j_lo), min(b, j_hi), self.bucket_numel):
-                        hi = min(lo + self.bucket_numel, b, j_hi)
-                        part = buf[at + lo - a:at + hi - a]
-                        if j == self.rank:
-                            part.copy_(self.param_shard[lo - self.lo:hi - self.lo])
-                        # (hi - lo,) from rank j; a prefetch is waited for when the group is used
-                        work = dist.broadcast(part, group_src=j, group=self.group, async_op=prefetch)
-                        if prefetch:
-                            self.in_flight.setdefault(g, []).append(work)
+            works = [work for a, b, at in runs
+                     for lo, work in self._broadcast_from_owners(buf, a, b, at, fill=True)]
+            if prefetch:  # waited for when the group is used
+                self.in_flight[g] = works
+            else:
+                for work in works:
+                    work.wait()
         return sum(self.groups[g][0].numel() for g in gids)
 
     def _finish_prefetch(self):
@@ -623,17 +617,28 @@ class ZeroOptimizer:
         # stage 3: nothing to gather now; the next forward gathers what it uses
         return True
 
+    def _broadcast_from_owners(self, buf, a, b, at=0, fill=False):
+        """Flat elements [a, b) to every rank, landing in buf[at:at + b - a]: each owner
+        broadcasts its part in flat order, at most bucket_numel elements at a time (C_B);
+        fill: the owner first copies its part there from param_shard (stage 3). Returns
+        [(flat start, work)], in flight."""
+        works = []
+        for j in range(self.nd):
+            j_lo, j_hi = j * self.shard_numel, (j + 1) * self.shard_numel
+            for lo in range(max(a, j_lo), min(b, j_hi), self.bucket_numel):
+                part = buf[at + lo - a:at + min(lo + self.bucket_numel, b, j_hi) - a]
+                if fill and j == self.rank:
+                    part.copy_(self.param_shard[lo - self.lo:lo - self.lo + part.numel()])
+                works.append((lo, dist.broadcast(part, group_src=j, group=self.group, async_op=True)))  # from rank j
+        return works
+
     def _all_gather(self, full, wait=True):
         """full (padded_numel,): rank j's shard full[j*S:(j+1)*S] to every rank, by owner
-        broadcasts in flat order, at most bucket_numel elements each (C_B). Before:
-        all_gather_single; now asynchronous broadcasts, the same bytes ((Nd-1)/Nd of the tensor
-        per rank, Section 7) in about a third of the time on gloo (43 MB at world 2: 60 -> 18
-        ms; world 4: 103 -> 35 ms). wait=False: returns [(flat start, work)] still in flight."""
-        S, works = self.shard_numel, []
-        for j in range(self.nd):
-            for lo in range(j * S, (j + 1) * S, self.bucket_numel):
-                part = full[lo:min(lo + self.bucket_numel, (j + 1) * S)]
-                works.append((lo, dist.broadcast(part, group_src=j, group=self.group, async_op=True)))  # from rank j
+        broadcasts. Before: all_gather_single; now asynchronous broadcasts, the same bytes
+        ((Nd-1)/Nd of the tensor per rank, Section 7) in about a third of the time on gloo (43
+        MB at world 2: 60 -> 18 ms; world 4: 103 -> 35 ms). wait=False: returns [(flat start,
+        work)] still in flight."""
+        works = self._broadcast_from_owners(full, 0, self.padded_numel)
         if not wait:
             return works
         for lo, work in works:
