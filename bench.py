@@ -116,6 +116,9 @@ def build(system, args):
             engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), **adamw),
                                               config={"train_micro_batch_size_per_gpu": args.batch_size,
                                                       "zero_allow_untested_optimizer": True,
+                                                      # DeepSpeed clips the gradient norm to 1.0 unless told
+                                                      # not to (GRADIENT_CLIPPING_DEFAULT); no other system clips
+                                                      "gradient_clipping": 0.0,
                                                       "zero_optimization": {"stage": int(system[-1])}})
         return engine, engine.backward, engine.step  # engine.step also zeroes the gradients
     model, opt = zero.initialize(model, torch.optim.AdamW, stage=int(system[-1]), stage3_units=model.h, **adamw)
