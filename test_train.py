@@ -57,7 +57,7 @@ def test_zero_on_tp2_x_dp2_matches_ddp_bitwise(world, stage, units):
 
 
 def run_train(tmp_path, nproc, *flags):
-    out = tmp_path / f"log{nproc}{'_'.join(flags).replace('-', '')}.json"
+    out = tmp_path / "out" / f"log{nproc}{'_'.join(flags).replace('-', '')}.json"  # train.py makes out/
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(HERE, "train.py"), "--steps", "6", "--eval_every", "3", "--batch_size", "4",
            "--seq_len", "64", "--out", str(out), *flags]

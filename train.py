@@ -200,6 +200,7 @@ def main(argv=None):
     sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
     log("-" * 40 + " sample " + "-" * 40 + "\n" + sample + "\n" + "-" * 88)
     if args.out and rank == 0:
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # --out out/run.json in a fresh clone
         pathlib.Path(args.out).write_text(json.dumps(dict(args=vars(args), world=world, backend=backend,
                                                           log=history, val=val_history, sample=sample), indent=1))
     dist.destroy_process_group()
