@@ -6,7 +6,7 @@ formula; a sampled peak; bytes sent per rank per step beside Section 7; the fina
 every system must share (same seed, same weights, same data).
 
     python bench.py                                              # world 2, small preset, every system
-    python bench.py --world 2 --steps 1 --warmup 1 --repeats 1   # smoke: each row once
+    python bench.py --world 2 --steps 1 --warmup 1 --repeats 1 --launches 1   # smoke: each row once
     python bench.py --systems ddp fsdp2 zero3 --repeats 20       # a subset, more rounds
     python bench.py --json > bench.json                          # the rows as one JSON object
 
@@ -14,7 +14,9 @@ Each system is a fresh gloo process group of --world spawned ranks (memory_table
 all started at once and then driven in turns: round after round (--repeats), each system in
 turn runs --steps steps while the others wait, between two turns of one more DDP process group,
 the clock. A ratio to DDP is a turn's time over the clock's around it, so the machine's drift
-cancels; the DDP row against the clock shows the noise that is left. Progress goes to stderr.
+cancels; the DDP row against the clock shows the noise that is left. All of that happens
+--launches times, with new processes each time, so that one process group's lasting offset (a
+few percent, measured) averages out too. Progress goes to stderr.
 """
 import argparse
 import contextlib
@@ -60,7 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--model", default="small", choices=list(PRESETS), help="gpt.py preset")
     p.add_argument("--steps", type=int, default=2, help="timed steps per turn")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the first turn")
-    p.add_argument("--repeats", type=int, default=10, help="rounds: turns of each system, interleaved")
+    p.add_argument("--repeats", type=int, default=4, help="rounds per launch: turns of each system, interleaved")
+    p.add_argument("--launches", type=int, default=4,
+                   help="times every system (and the clock) is started in new processes, --repeats rounds each")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
@@ -70,7 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--json", action="store_true", help="print the rows as one JSON object instead of the table")
     args = p.parse_args(argv)
-    for name in ("world", "steps", "warmup", "repeats", "batch_size", "seq_len", "threads"):
+    for name in ("world", "steps", "warmup", "repeats", "launches", "batch_size", "seq_len", "threads"):
         least = 0 if name == "warmup" else 1
         if getattr(args, name) < least:
             p.error(f"--{name} must be at least {least} (got {getattr(args, name)})")
@@ -267,8 +271,8 @@ def table(rows, args, psi, notes):
     headers = ["system", "ms/step [spread]", "vs DDP", "states MB", "Section 5 MB", "ratio", "peak MB",
                "sent MB", "Section 7 MB", "sent by collective, MB", "final loss"]
     legend = [f"world {args.world} (gloo, CPU, {args.threads} thread/rank{', pinned' if args.pin else ''}) | {args.model}: Ψ = {psi / 1e6:.2f}M | "
-              f"batch {args.batch_size} x {args.seq_len} per rank | {args.warmup} warm-up steps, then {args.repeats} "
-              f"round(s) of one {args.steps}-step turn per system",
+              f"batch {args.batch_size} x {args.seq_len} per rank | {args.launches} launch(es), each {args.warmup} "
+              f"warm-up steps, then {args.repeats} round(s) of one {args.steps}-step turn per system",
               "ms/step: median over the rounds [interquartile range]; vs DDP: per round, the system's time over the "
               "mean of the DDP clock's turns just before and after it: median [interquartile range]; "
               "≈: that range holds 1, a difference within the noise; the DDP row is DDP against the clock (A/A)",
@@ -279,14 +283,14 @@ def table(rows, args, psi, notes):
     return tabulate(lines, headers, disable_numparse=True) + "\n" + "\n".join(legend + notes)
 
 
-def drive(args):
+def drive(args, launch):
     """Start every system and the clock, run the rounds and the probes: (times, vs_clock, results)."""
     t0 = time.perf_counter()
     servers = {s: Server(s, args) for s in args.systems}  # all start (and warm up) at once
     for server in servers.values():
         server.replies()  # "ready"
-    print(f"{len(servers)} systems x {args.world} ranks started and warmed up in {time.perf_counter() - t0:.0f} s",
-          file=sys.stderr)
+    print(f"launch {launch + 1}/{args.launches}: {len(servers)} systems x {args.world} ranks started and warmed up "
+          f"in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     # Each turn is bracketed by two turns of a clock: one more DDP process group, timed but not
     # reported. A system's ratio in a round is its time over the mean of the clock's just before
     # and after it (seconds apart), so the machine's drift cancels; the DDP row's ratio is DDP
@@ -296,14 +300,15 @@ def drive(args):
     clock = servers["clock"] = Server("ddp", args)
     clock.replies()
     for repeat in range(args.repeats):
-        order = args.systems[repeat % len(args.systems):] + args.systems[:repeat % len(args.systems)]  # rotated
+        first = (launch * args.repeats + repeat) % len(args.systems)
+        order = args.systems[first:] + args.systems[:first]  # rotated, round after round, launch after launch
         before = clock.ask("turn")[0]
         for s in order:
             times[s].append(servers[s].ask("turn")[0])
             after = clock.ask("turn")[0]
             vs_clock[s].append(times[s][-1] / ((before + after) / 2))
             before = after
-        print(f"round {repeat + 1}/{args.repeats}: " + ", ".join(f"{s} {times[s][-1]:.0f}" for s in order)
+        print(f"launch {launch + 1}, round {repeat + 1}/{args.repeats}: " + ", ".join(f"{s} {times[s][-1]:.0f}" for s in order)
               + " ms/step", file=sys.stderr)
     for server in servers.values():  # the probe step, one system at a time (the clock's is not used)
         for inbox in server.inboxes:
@@ -319,20 +324,36 @@ def main(argv=None):
     skipped = [s for s in args.systems if s.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None]
     args.systems = [s for s in args.systems if s not in skipped]
     psi = num_params(PRESETS[args.model])
-    try:
-        times, vs_clock, results = drive(args)
-    except BaseException:
-        for p in mp.active_children():  # ranks left waiting for orders would keep this process alive
-            p.kill()
-        raise
-    rows = {s: summarize(s, times[s], vs_clock[s], results[s], args, psi) for s in args.systems}
+    # Every launch starts every system afresh. One process group can run a few percent slower
+    # than an identical one for as long as it lives (measured: DDP against the DDP clock, 1.01
+    # to 1.05 over whole runs), so the rounds of several launches are pooled.
+    times, vs_clock = {s: [] for s in args.systems}, {s: [] for s in args.systems}
+    per_launch, launch_results = {s: [] for s in args.systems}, []
+    for launch in range(args.launches):
+        try:
+            t, v, results = drive(args, launch)
+        except BaseException:
+            for p in mp.active_children():  # ranks left waiting for orders would keep this process alive
+                p.kill()
+            raise
+        for s in args.systems:
+            times[s] += t[s]
+            vs_clock[s] += v[s]
+            per_launch[s].append(statistics.median(v[s]))
+        launch_results.append(results)
+    # bytes and loss from the first launch's probes; every launch ran the same steps on the same data
+    rows = {s: summarize(s, times[s], vs_clock[s], launch_results[0][s], args, psi) for s in args.systems}
     notes = []
-    for r in rows.values():
-        r["vs_ddp"] = ratio(r["vs_clock"])
+    for s, r in rows.items():
+        r["vs_ddp"], r["vs_ddp_per_launch"] = ratio(r["vs_clock"]), per_launch[s]
+        r["loss_per_launch"] = [sum(x["loss"] for x in res[s]) / args.world for res in launch_results]
     first = next(iter(rows.values()))["loss"]
-    differ = [r["label"] for r in rows.values() if r["loss"] != first]
+    differ = [r["label"] for r in rows.values() if any(loss != first for loss in r["loss_per_launch"])]
     notes.append(f"final loss: differs for {', '.join(differ)}" if differ else
-                 "final loss: the same float for every system")
+                 f"final loss: the same float for every system{' in every launch' if args.launches > 1 else ''}")
+    if "ddp" in rows and args.launches > 1:
+        notes.append("DDP against the clock (A/A), median in each launch: "
+                     + ", ".join(f"{x:.2f}" for x in per_launch["ddp"]))
     if "fsdp2" in rows and "zero3" in rows:
         notes.append("zero.py stage 3 / FSDP2 step time: "
                      + ratio([a / b for a, b in zip(rows["zero3"]["vs_clock"], rows["fsdp2"]["vs_clock"])]))

@@ -8,13 +8,15 @@ import bench
 from gpt import PRESETS, num_params
 
 
-@pytest.mark.slow  # 9 s alone, 24 s beside other tests under -n 2: two spawned process groups
+@pytest.mark.slow  # two launches of three spawned process groups (ddp, zero3, the clock)
 def test_bench_ddp_and_zero3_share_the_loss_and_meet_sections_5_and_7_at_world_2():
     rows = bench.main(["--model", "tiny", "--batch_size", "2", "--seq_len", "32", "--steps", "1",
-                       "--warmup", "0", "--repeats", "1", "--systems", "ddp", "zero3", "--json"])
+                       "--warmup", "0", "--repeats", "1", "--launches", "2", "--systems", "ddp", "zero3", "--json"])
     psi, nd = num_params(PRESETS["tiny"]), 2
     ddp, zero3 = rows["ddp"], rows["zero3"]
-    assert ddp["loss"] == zero3["loss"]  # at world 2 every sum order gives the same bits
+    assert len(ddp["vs_clock"]) == 2 and len(zero3["vs_ddp_per_launch"]) == 2  # a round from each launch
+    # at world 2 every sum order gives the same bits; each launch trains afresh on the same data
+    assert ddp["loss_per_launch"] == zero3["loss_per_launch"] == [ddp["loss"]] * 2
     # Section 5, fp32 AdamW (K = 8): 16Ψ replicated, 16Ψ/Nd at P_os+g+p. Beyond the formula: AdamW's
     # 4-byte step counters and stage 3's padding of Ψ to a multiple of Nd, a few hundred bytes.
     assert ddp["model_states"] == pytest.approx(16 * psi, rel=1e-4)
