@@ -12,7 +12,8 @@ every system must share (same seed, same weights, same data).
 
 Each system is a fresh gloo process group of --world spawned ranks (memory_table.run_on_ranks),
 all started at once and then driven in turns: round after round (--repeats), each system in
-turn runs --steps steps while the others wait, between two turns of one more DDP process group,
+turn runs one untimed lead-in step and --steps timed steps while the others wait, between two
+turns of one more DDP process group,
 the clock. A ratio to DDP is a turn's time over the clock's around it, so the machine's drift
 cancels; the DDP row against the clock shows the noise that is left. All of that happens
 --launches times, with new processes each time, so that one process group's lasting offset (a
@@ -60,7 +61,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2, help="ranks: the data-parallel degree Nd")
     p.add_argument("--model", default="small", choices=list(PRESETS), help="gpt.py preset")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per turn")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per turn, after its one untimed lead-in step")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the first turn")
     p.add_argument("--repeats", type=int, default=4, help="rounds per launch: turns of each system, interleaved")
     p.add_argument("--launches", type=int, default=4,
@@ -147,7 +148,7 @@ def get_batch(gen, args):
 # ---------------------------------------------------------------------------
 def serve_rank(system, args, inboxes, outbox):
     """On each rank of the system's process group: build, warm up, then run what the inbox says:
-    "turn" (--steps steps, timed, then report), or "probe" (one step, measured, then return)."""
+    "turn" (a lead-in step, --steps timed steps, report), or "probe" (one step, measured, return)."""
     torch.set_num_threads(args.threads)  # 2 ranks x 2 threads on 2 cores ran 1.5-1.8x slower
     rank = dist.get_rank()
     if args.pin and hasattr(os, "sched_setaffinity"):  # rank r on core r (mod cores), for every system
@@ -166,12 +167,19 @@ def serve_rank(system, args, inboxes, outbox):
         train_step()
     outbox.put((rank, "ready"))
     while inboxes[rank].get() == "turn":
+        # The lead-in step, untimed, brings back the caches another system's turn took, and puts
+        # zero.py's stage 1-2 parameter gather in flight, so every timed step is a step in
+        # steady state. Before: no lead-in, and each turn waited for its last gather inside the
+        # clock, with nothing to overlap it (measured: about 25 ms a turn, 1% of a stage 1-2
+        # step at 2 steps a turn).
+        train_step()
         t0 = time.perf_counter()
         for _ in range(args.steps):
             train_step()
-        if hasattr(model, "_zero"):  # zero.py stages 1-2 leave the parameter all-gather in flight:
-            model._zero._wait_params()  # the turn ends when it lands (no overlap with another turn)
-        outbox.put((rank, (time.perf_counter() - t0) * 1000 / args.steps))
+        ms = (time.perf_counter() - t0) * 1000 / args.steps
+        if hasattr(model, "_zero"):  # zero.py stages 1-2: the last step's gather lands before the
+            model._zero._wait_params()  # next turn, untimed (no overlap with another system's turn)
+        outbox.put((rank, ms))
 
     # One more step, untimed and probed: each sample is the live tensors less the baseline and
     # this step's batch. After backward that is the model states (parameters, gradients, AdamW's
@@ -272,7 +280,7 @@ def table(rows, args, psi, notes):
                "sent MB", "Section 7 MB", "sent by collective, MB", "final loss"]
     legend = [f"world {args.world} (gloo, CPU, {args.threads} thread/rank{', pinned' if args.pin else ''}) | {args.model}: Ψ = {psi / 1e6:.2f}M | "
               f"batch {args.batch_size} x {args.seq_len} per rank | {args.launches} launch(es), each {args.warmup} "
-              f"warm-up steps, then {args.repeats} round(s) of one {args.steps}-step turn per system",
+              f"warm-up steps, then {args.repeats} round(s) of one turn per system: a lead-in step, {args.steps} timed",
               "ms/step: median over the rounds [interquartile range]; vs DDP: per round, the system's time over the "
               "mean of the DDP clock's turns just before and after it: median [interquartile range]; "
               "≈: that range holds 1, a difference within the noise; the DDP row is DDP against the clock (A/A)",
