@@ -332,9 +332,9 @@ def main(argv=None):
     skipped = [s for s in args.systems if s.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None]
     args.systems = [s for s in args.systems if s not in skipped]
     psi = num_params(PRESETS[args.model])
-    # Every launch starts every system afresh. One process group can run a few percent slower
-    # than an identical one for as long as it lives (measured: DDP against the DDP clock, 0.91
-    # to 1.04 from one launch to the next), so the rounds of several launches are pooled.
+    # Every launch starts every system afresh. One process group can run a few percent faster or
+    # slower than an identical one for as long as it lives (measured: DDP against the DDP clock,
+    # 0.91 to 1.05 from one launch to the next), so the rounds of several launches are pooled.
     times, vs_clock = {s: [] for s in args.systems}, {s: [] for s in args.systems}
     per_launch, launch_results = {s: [] for s in args.systems}, []
     for launch in range(args.launches):
