@@ -550,6 +550,16 @@ def measure_section(args):
     return sections
 
 
+def padded_per_unit(preset, nd):
+    """Ψ padded as stage 3 lays it out: each unit it gathers (a block, the tied embedding, the
+    positions, ln_f) a run of buckets padded to a multiple of Nd."""
+    from gpt import GPT
+    model = GPT(_config(preset), device="meta")
+    units = [[model.wte.weight], [model.wpe.weight], *[list(b.parameters()) for b in model.h],
+             list(model.ln_f.parameters())]
+    return sum(math.ceil(sum(p.numel() for p in u) / nd) * nd for u in units)
+
+
 def comm_section(args):
     """Section 5 of issue 5: elements each rank sends per step, as a multiple of Ψ."""
     from gpt import PRESETS, num_params
@@ -557,16 +567,17 @@ def comm_section(args):
     rows = []
     for nd in [n for n in args.world if n > 1]:
         per_rank = run_on_ranks(nd, each_on_rank, comm_on_rank, [(stage, args.model) for stage in (0, 1, 2, 3)])
-        padded = math.ceil(psi / nd) * nd
+        padded = math.ceil(psi / nd) * nd  # stages 0-2: one run of buckets, padded to a multiple of Nd
+        padded_units = padded_per_unit(args.model, nd)  # stage 3: each unit padded on its own
         ring = Fraction(nd - 1, nd)
         for stage in (0, 1, 2, 3):
             mean = collections.Counter()
             for results in per_rank:
                 mean.update({k: v / nd for k, v in results[stage].items()})
             data = {k: v for k, v in mean.items() if k[1] != "all_reduce"}
-            # Section 7: reduce-scatter Ψ, then all-gather of the padded flat space (stages 0-2:
-            # gradients at 0, updated parameters at 1-2) or gathers of Ψ in forward and backward (3)
-            expected = ring * psi + (ring * padded if stage < 3 else 2 * ring * psi)
+            # Section 7: reduce-scatter Ψ, then all-gather Ψ (stages 0-2: gradients at 0, updated
+            # parameters at 1-2), or gathers of Ψ in forward and backward (3); all up to padding
+            expected = 2 * ring * padded if stage < 3 else 3 * ring * padded_units
             phases = {p: sum(v for k, v in data.items() if k[0] == p) for p in ("forward", "backward", "step")}
             rows.append(dict(nd=nd, stage=stage, name=STAGES[stage], psi=psi, **{p: float(v / psi) for p, v in phases.items()},
                              measured=float(sum(data.values()) / psi), expected=float(expected / psi),
@@ -582,8 +593,9 @@ def comm_section(args):
             tabulate(table, headers, disable_numparse=True) +
             "\nelements sent per rank / Ψ, counted by wrapping torch.distributed's collectives. Convention (ring,\n"
             "as Section 7): all_gather and broadcast (n-1)/n of the tensor per rank, all_reduce 2(n-1)/n,\n"
-            "all_to_all the elements sent to other ranks. expected (✓ = equal as exact fractions): (n-1)/n x\n"
-            "(Ψ reduce-scatter + padded Ψ all-gather) for stages 0-2, (n-1)/n x 3Ψ for stage 3 (Section 7.2);\n"
+            "all_to_all the elements sent to other ranks. expected (✓ = equal as exact fractions): (n-1)/n x 2Ψ\n"
+            "for stages 0-2 (reduce-scatter + all-gather), (n-1)/n x 3Ψ for stage 3 (Section 7.2), each Ψ padded\n"
+            "to a multiple of Nd (stage 3: each unit it gathers);\n"
             "paper: 2Ψ and 3Ψ at the same (n-1)/n. control: the int32 used-parameter flags (all_reduce), not data.")
     return {"comm": dict(heading="Communication volume per step (Section 7)", rows=rows, text=text)}
 

@@ -206,25 +206,30 @@ def tiny_odd_config():
 @pytest.mark.parametrize("nd", WORLDS)
 def test_communication_volume_is_section_7_exactly(world, nd):
     """Elements sent per rank in one step, mean over ranks, under the ring convention (Section 7;
-    the shared paper notes): all_gather and broadcast (n-1)/n of the tensor, all_to_all what goes
-    to other ranks. Reduce-scatter of Ψ in backward; then stages 0-2 all-gather the flat space
-    padded to a multiple of Nd at the step (gradients at stage 0, parameters at 1-2); stage 3
-    gathers Ψ in forward and Ψ again in backward and nothing at the step."""
+    the shared paper notes): all_gather and reduce-scatter (n-1)/n of the tensor, all_to_all what
+    goes to other ranks. Every collective covers whole buckets, and a run of buckets is padded to
+    a multiple of Nd: stages 0-2 lay all parameters out as one run, so they reduce-scatter the
+    padded flat space in backward and all-gather it at the step (gradients at stage 0, parameters
+    at 1-2); stage 3 lays out each unit it gathers (a block, the tied embedding, the positions,
+    ln_f) as a run of its own, and gathers them in forward and again in backward."""
     from fractions import Fraction
-    from gpt import num_params
+    from gpt import GPT, num_params
     config = tiny_odd_config()
     psi = num_params(config)
     assert psi % nd, "the test needs padding"
+    model = GPT(config, device="meta")
+    units = [[model.wte.weight], [model.wpe.weight], *[list(b.parameters()) for b in model.h], list(model.ln_f.parameters())]
+    assert sum(p.numel() for u in units for p in u) == psi
     ring, padded = Fraction(nd - 1, nd), -(-psi // nd) * nd
+    padded_units = sum(-(-sum(p.numel() for p in u) // nd) * nd for u in units)
     for stage in (0, 1, 2, 3):
         per_rank = world(nd).run(mt.comm_on_rank, stage, config)
         phase = {p: sum(v for r in per_rank for (ph, name), v in r.items() if ph == p and name != "all_reduce") / nd
                  for p in ("forward", "backward", "step")}
         if stage < 3:
-            assert phase == {"forward": 0, "backward": ring * psi, "step": ring * padded}, stage
+            assert phase == {"forward": 0, "backward": ring * padded, "step": ring * padded}, stage
         else:
-            assert phase == {"forward": ring * psi, "backward": 2 * ring * psi, "step": 0}, stage
-        assert sum(phase.values()) == ring * (psi + (padded if stage < 3 else 2 * psi))
+            assert phase == {"forward": ring * padded_units, "backward": 2 * ring * padded_units, "step": 0}, stage
 
 
 def test_cli_measure_and_comm_print_their_tables():

@@ -95,8 +95,7 @@ def on_rank_largest_temporary_buffer(stage, width, bucket_numel):
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
     model, opt = zero.initialize(mlp, torch.optim.AdamW, stage=stage, bucket_numel=bucket_numel, lr=1e-3)
-    persistent = {getattr(opt, n).untyped_storage()._cdata for n in ("flat_param", "param_shard", "flat_grad",
-                                                                       "grad_shard") if hasattr(opt, n)}
+    persistent = {t.untyped_storage()._cdata for t in opt.parameters.storages() + opt.gradients.storages()}
     largest = []
     real = {name: getattr(dist, name) for name in ("all_to_all_single", "all_gather_single", "broadcast")}
 
@@ -153,9 +152,9 @@ def on_rank_long_lived_tensors_are_views(stage):
         loss.backward()
         opt.clip_grad_norm_(1.0)
         opt.step()
-        grad_storages |= {piece.grad.untyped_storage()._cdata for piece, *_ in opt.pieces if piece.grad is not None}
+        grad_storages |= {w.grad.untyped_storage()._cdata for w in opt.weights if w.grad is not None}
         opt.zero_grad()
-    if grad_storages != {opt.grad_shard.untyped_storage()._cdata}:
+    if grad_storages != {opt.gradients.reduced.untyped_storage()._cdata}:
         problems.append(f"the gradient partition is not one persistent buffer: {len(grad_storages)} storages")
     return problems
 

@@ -12,16 +12,24 @@ Parameter Models" (Rajbhandari, Rasley, Ruwase, He; SC 2020), on torch.distribut
     stage 3  P_os+g+p: ... and parameters                               (4 + 4 + K)Ψ/Nd
     (fp32 parameters and gradients here; the paper's 2Ψ terms are its fp16 copies)
 
-Every stage gives the same bits as torch's DistributedDataParallel: gradients are summed in
-rank order, ((g_0 + g_1) + g_2) + ..., then divided by Nd, whatever the bucket sizes or the
-stage (test_zero.py proves it). Run the tests with `python -m pytest -n 2 test_zero.py`.
+With reduction="exact" (the default) every stage gives the same bits as torch's
+DistributedDataParallel: gradients are summed in rank order, ((g_0 + g_1) + g_2) + ..., then
+divided by Nd, whatever the bucket sizes or the stage (test_zero.py proves it).
+reduction="native" uses the backend's own reduce-scatter (NCCL's ring or tree): the same
+bytes and traffic, faster on GPUs, with sums in the backend's order.
+
+The file follows the paper: Section 3 (where the memory goes), 3.1 (mixed precision), 5 and 7
+(the flat partition and its two collectives), 5.1 (P_os: the optimizer over this rank's
+partition), 5.2 (P_os+g: gradient buckets reduced in backward), 5.3 (P_os+g+p: parameters
+gathered around each module), 6 (ZeRO-R); `initialize` at the end composes the parts a stage
+needs. Run the tests with `python -m pytest -n 2 test_zero.py`.
 """
 import collections
 import functools
 import gc
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,12 +46,8 @@ ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, 
                           torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
                           torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
 
-DEFAULT_BUCKET_NUMEL = 2**22  # elements per gradient bucket (16 MB in fp32)
-
-
-def _overlap(a, b, c, d):
-    """Length of the intersection of the ranges [a, b) and [c, d)."""
-    return max(0, min(b, d) - max(a, c))
+DEFAULT_BUCKET_NUMEL = 2**22  # elements per bucket (16 MB in fp32): C_B, Section 6.2
+REDUCTIONS = ("exact", "native")
 
 
 # -----------------------------------------------------------------------------------------
@@ -116,6 +120,23 @@ class MemoryHooks:
         return end - start
 
 
+
+# -----------------------------------------------------------------------------------------
+# Section 3.1 -- mixed precision: the model computes in param_dtype (fp16 or bf16: the
+# paper's 2Ψ parameters and 2Ψ gradients); the optimizer updates an fp32 master copy (K = 12:
+# master 4 + momentum 4 + variance 4 bytes). Gradients are summed in reduce_dtype.
+# -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Precision:
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+
+    @property
+    def master_dtype(self):
+        """fp32 for 16-bit parameters; None when the optimizer can update the parameters themselves."""
+        return torch.float32 if self.param_dtype in (torch.float16, torch.bfloat16) else None
+
+
 @dataclass
 class DynamicLossScale:
     """fp16's dynamic loss scaling (Micikevicius et al. 2018, as torch's GradScaler): the loss is
@@ -129,344 +150,712 @@ class DynamicLossScale:
     min_scale: float = 1.0
 
 
-class ZeroOptimizer:
-    """The optimizer a user steps, and the ZeRO-DP machinery behind it, for one module.
+# -----------------------------------------------------------------------------------------
+# Sections 5 and 7 -- one flat parameter space, partitioned over the Nd ranks.
+# Parameters are laid end to end in runs (a run: parameters reduced or gathered together);
+# each run is cut into buckets of at most bucket_numel elements (C_B), and every bucket is
+# split evenly: rank r owns chunk r of each bucket (only a run's last bucket is padded, to a
+# multiple of Nd, so a parameter is one stretch of the flat space). Figure 1 draws one
+# contiguous shard per rank; with it a bucket inside one shard would be reduced into that one
+# rank, its link carrying Nd copies. Split per bucket, each rank sends and receives (Nd-1)/Nd
+# of every bucket, the volume of a ring (Section 7), whatever Nd and the model size.
+# A rank's chunks, end to end, are its shard: its "own space" of shard_numel = Σ chunk elements.
+# ZeRO-DP is built from two collectives over a bucket:
+#   reduce-scatter  every rank's gradient bucket in, the sum of chunk r out on rank r
+#   all-gather      chunk r from rank r in, the whole bucket out on every rank
+# -----------------------------------------------------------------------------------------
+@dataclass
+class Bucket:
+    start: int  # flat index of its first element
+    numel: int  # parameter elements; padding fills it up to chunk * Nd
+    chunk: int  # elements per rank: rank r owns flat [start + r * chunk, start + (r + 1) * chunk)
+    own: int  # where this rank's chunk starts in its own space
+    trainable: bool
+    segments: list = field(default_factory=list)  # (parameter index, flat start, flat end), flat order
 
-    The paper's state lives here: the flat parameter space and its partition (Section 5), this
-    rank's optimizer over its partition (5.1, P_os), the gradient buckets reduced in backward
-    (5.2, P_os+g) and the parameter gathers around each module (5.3, P_os+g+p).
-    """
 
-    # -------------------------------------------------------------------------------------
-    # Section 5 -- one flat parameter space, partitioned evenly across the Nd ranks.
-    # Parameters are laid end to end (trainable ones first, in module order; a tied weight
-    # once); the space is padded to a multiple of Nd and rank r owns elements
-    # [r * shard_numel, (r + 1) * shard_numel). A parameter may straddle two ranks.
-    # -------------------------------------------------------------------------------------
-    def __init__(self, module, optimizer_class, stage, group, param_groups, bucket_numel,
-                 param_dtype, reduce_dtype, loss_scale, stage3_units, prefetch, optimizer_kwargs):
-        self.module, self.stage, self.group, self.prefetch = module, stage, group, prefetch
+class FlatPartition:
+    def __init__(self, params, runs, group, bucket_numel, reduction):
+        """params: every parameter, trainable ones first (their index order); runs: [(parameters,
+        trainable)], the same parameters in flat order."""
+        self.group, self.reduction = group, reduction
         self.nd, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        params = list(module.parameters())  # unique: a tied weight is listed once
-        self.params = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
-        self.n_trainable = sum(p.requires_grad for p in params)
-        self.index = {p: i for i, p in enumerate(self.params)}
-        self.offsets = [0]
-        for p in self.params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        self.psi = self.offsets[-1]  # Ψ
-        self.psi_trainable = self.offsets[self.n_trainable]
-        self.shard_numel = math.ceil(self.psi / self.nd)
-        self.padded_numel = self.shard_numel * self.nd
-        self.lo, self.hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
-        self.device = params[0].device
-        # small flags (which parameters were used, overflow) must be readable: on the CPU when the
-        # model is on the meta device (memory_table.py simulates the paper's sizes that way)
-        self.flag_device = torch.device("cpu") if self.device.type == "meta" else self.device
+        self.params = params
+        self.index = {p: i for i, p in enumerate(params)}
+        self.offsets = [0] * len(params)  # flat start of each parameter
+        self.buckets, self.buckets_of = [], [[] for _ in params]  # buckets_of: the buckets a parameter lies in
+        full = max(1, bucket_numel // self.nd) * self.nd  # a full bucket: a multiple of Nd, no padding
+        flat = own = 0
+        for run, trainable in runs:
+            first, at = len(self.buckets), flat
+            for p in run:
+                self.offsets[self.index[p]], at = at, at + p.numel()
+            numel = at - flat
+            for lo in range(0, numel, full):
+                chunk = math.ceil(min(full, numel - lo) / self.nd)
+                self.buckets.append(Bucket(flat, min(full, numel - lo), chunk, own, trainable))
+                flat, own = flat + chunk * self.nd, own + chunk
+            k = first
+            for p in run:  # each parameter's segments, bucket by bucket
+                i = self.index[p]
+                a, end = self.offsets[i], self.offsets[i] + p.numel()
+                while a < end:
+                    while a >= self.buckets[k].start + self.buckets[k].numel:
+                        k += 1
+                    hi = min(end, self.buckets[k].start + self.buckets[k].numel)
+                    self.buckets[k].segments.append((i, a, hi))
+                    self.buckets_of[i].append(k)
+                    a = hi
+        self.padded_numel, self.shard_numel = flat, own
 
-        # Mixed precision (Section 3.1): the model computes in param_dtype; with a 16-bit
-        # param_dtype the optimizer updates an fp32 master copy of its partition, so K = 12
-        # (master 4 + momentum 4 + variance 4 bytes). Gradients are reduced in reduce_dtype.
-        self.param_dtype = param_dtype or params[0].dtype
-        self.master_dtype = torch.float32 if self.param_dtype in (torch.float16, torch.bfloat16) else None
-        self.reduce_dtype = reduce_dtype or self.param_dtype
-        for b in module.buffers():
-            if b.is_floating_point():
-                b.data = b.data.to(self.param_dtype)
+    def flat_range(self, k):
+        """Bucket k with its padding: (chunk * Nd,) of the flat space."""
+        b = self.buckets[k]
+        return slice(b.start, b.start + b.chunk * self.nd)
 
-        # Every rank starts from rank 0's weights, as DDP does.
-        flat = torch.zeros(self.padded_numel, dtype=params[0].dtype, device=self.device)
-        for i, p in enumerate(self.params):
-            flat[self.offsets[i]:self.offsets[i + 1]].copy_(p.detach().view(-1))
-        dist.broadcast(flat, group_src=0, group=group)  # (padded_numel,) from rank 0
-        # The range this rank updates: stage 0 updates everything (the baseline), stages 1-3
-        # their own shard. Its buffers (master weights, reduced gradients) start at `base`.
-        self.base, self.own_numel = (0, self.padded_numel) if stage == 0 else (self.lo, self.shard_numel)
-        if self.master_dtype:
-            self.master = flat[self.base:self.base + self.own_numel].to(self.master_dtype, copy=True)
-        if stage < 3:
-            # Stages 0-2 keep every parameter: each is a view into one flat buffer.
-            self.flat_param = flat.to(self.param_dtype)
-            for i, p in enumerate(self.params):
-                p.data = self.flat_param[self.offsets[i]:self.offsets[i + 1]].view_as(p)
-            self.own_params = self.flat_param[self.base:self.base + self.own_numel]
+    def chunk(self, k, rank=None):
+        """Rank `rank`'s (default: this rank's) chunk of bucket k, in the flat space."""
+        b, r = self.buckets[k], self.rank if rank is None else rank
+        return slice(b.start + r * b.chunk, b.start + (r + 1) * b.chunk)
+
+    def own(self, k):
+        """This rank's chunk of bucket k, in its own space."""
+        b = self.buckets[k]
+        return slice(b.own, b.own + b.chunk)
+
+    def reduce_scatter(self, bucket, k):
+        """Start summing `bucket` (chunk * Nd,) over the ranks; finish_reduce ends it. Each rank
+        sends (Nd-1)/Nd of the bucket and receives (Nd-1)/Nd of it (Section 7.1)."""
+        chunk = self.buckets[k].chunk
+        if self.reduction == "exact":
+            # all-to-all: chunk j of my bucket to rank j -> row j of `received` is rank j's copy of my
+            # chunk, (nd * chunk,) = one bucket, whatever Nd
+            received = torch.empty_like(bucket)
+            work = dist.all_to_all_single(received, bucket, group=self.group, async_op=True)
+            return work, bucket, received.view(self.nd, chunk)
+        # native: the backend's reduce-scatter, in place: my chunk of the bucket ends as the sum
+        mine = bucket[self.rank * chunk:(self.rank + 1) * chunk]
+        work = dist.reduce_scatter_single(mine, bucket, group=self.group, async_op=True)
+        return work, bucket, mine.view(1, chunk)
+
+    def finish_reduce(self, pending, out, add):
+        """Wait for a reduce_scatter; write its mean into out (chunk,), or add it (add=True).
+        Exact: rank j's rows are summed in rank order, ((g_0 + g_1) + g_2) + ..., then divided by
+        Nd: bits that depend on neither bucket sizes, padding nor stage."""
+        work, bucket, rows = pending
+        work.wait()  # `bucket` was kept alive until now: it is the send buffer
+        if out.is_meta:  # memory_table.py's simulation: meta tensors hold no values to add
+            return
+        total = torch.empty_like(out) if add else out
+        if len(rows) == 1:
+            total.copy_(rows[0])
         else:
-            # Stage 3 keeps only this rank's shard; the parameters become views into buffers
-            # that are empty between uses (Section 5.3, _install_gather_hooks).
-            self.param_shard = flat[self.lo:self.hi].to(self.param_dtype, copy=True)  # (shard_numel,)
-            self.own_params = self.param_shard
-        del flat
+            torch.add(rows[0], rows[1], out=total)
+            for j in range(2, self.nd):
+                total.add_(rows[j])
+        total.div_(self.nd)
+        if add:  # a later micro-batch: its mean added to the sum so far
+            out.add_(total)
 
-        # ---------------------------------------------------------------------------------
-        # Section 5.1 -- P_os: the optimizer updates only this rank's partition.
-        # The user's optimizer class runs over "pieces": the part of each trainable parameter
-        # that falls inside the owned range, as 1-D views into the fp32 master copy (or, in
-        # fp32, into the parameters themselves). Per-rank optimizer states: KΨ/Nd.
-        # ---------------------------------------------------------------------------------
-        weights = self.master if self.master_dtype else self.own_params
-        self.pieces = []  # (piece, parameter index, flat start, flat end)
-        for i in range(self.n_trainable):
-            a = max(self.offsets[i], self.base)
-            b = min(self.offsets[i + 1], self.base + self.own_numel)
-            if a < b:
-                self.pieces.append((weights[a - self.base:b - self.base], i, a, b))
+    def all_gather(self, out, mine, async_op=True):
+        """out (chunk * Nd,): every rank's chunk; mine (chunk,) this rank's, in place when it is
+        a view of out. Each rank sends its chunk to Nd-1 ranks: (Nd-1)/Nd of the bucket."""
+        return dist.all_gather_single(out, mine, group=self.group, async_op=async_op)
+
+    def to_flat(self, own):
+        """A (padded_numel,) tensor from every rank's own-space (shard_numel,) tensor: one
+        all-gather per bucket (checkpoints and tests; not on the training path)."""
+        full = own.new_empty(self.padded_numel)
+        for k in range(len(self.buckets)):
+            self.all_gather(full[self.flat_range(k)], own[self.own(k)], async_op=False)
+        return full
+
+    def rank0_values(self, k, dtype, device):
+        """Bucket k's parameter values as rank 0 holds them, padded with zeros: every rank starts
+        from rank 0's weights, as in DDP (one bucket-sized broadcast at a time)."""
+        b = self.buckets[k]
+        values = torch.zeros(b.chunk * self.nd, dtype=dtype, device=device)
+        for i, lo, hi in b.segments:
+            a = self.offsets[i]
+            values[lo - b.start:hi - b.start] = self.params[i].detach().reshape(-1)[lo - a:hi - a]
+        dist.broadcast(values, group_src=0, group=self.group)
+        return values
+
+
+# -----------------------------------------------------------------------------------------
+# Section 5.1 -- P_os: the optimizer updates only this rank's part of the flat space.
+# The user's optimizer class runs over "pieces": the part of each trainable parameter that
+# lies in an owned range, as 1-D views into the fp32 master copy (or, without one, into the
+# parameters themselves). Stage 0 owns every bucket whole (its own space is the flat space);
+# stages 1-3 own their chunks. Per-rank optimizer states: KΨ/Nd.
+# -----------------------------------------------------------------------------------------
+@dataclass
+class Piece:
+    index: int  # the parameter's index in the partition
+    flat: slice  # where it lies in the flat space
+    own: slice  # where it lies in this rank's own space
+
+
+class ZeroOptimizer:
+    """The optimizer a user steps: backward (with fp16 loss scaling), clip_grad_norm_, step,
+    zero_grad. It composes the parameters (5.1 or 5.3) and the gradient buckets (5.2)."""
+
+    def __init__(self, module, partition, parameters, gradients, owned, precision, loss_scale,
+                 optimizer_class, param_groups, optimizer_kwargs):
+        self.module, self.partition, self.parameters, self.gradients = module, partition, parameters, gradients
+        self.owned, self.precision = owned, precision  # owned: per bucket, (flat slice, own slice)
+        self.own_numel = sum(o.stop - o.start for f, o in owned)
+        self.n_trainable = sum(p.requires_grad for p in partition.params)
+        self.pieces = []
+        for (f, o), b in zip(owned, partition.buckets):
+            for i, lo, hi in b.segments if b.trainable else ():
+                lo, hi = max(lo, f.start), min(hi, f.stop)
+                if lo < hi:
+                    self.pieces.append(Piece(i, slice(lo, hi), slice(o.start + lo - f.start, o.start + hi - f.start)))
+        # Every rank starts from rank 0's weights: the parameters take them bucket by bucket,
+        # the fp32 master its owned ranges (from the full-precision values, before any cast).
+        device = partition.params[0].device
+        self.master = torch.empty(self.own_numel, dtype=precision.master_dtype, device=device) \
+            if precision.master_dtype else None
+        for k, (f, o) in enumerate(owned):
+            values = partition.rank0_values(k, partition.params[0].dtype, device)
+            parameters.load(k, values)
+            if self.master is not None:
+                b = partition.buckets[k]
+                self.master[o].copy_(values[f.start - b.start:f.stop - b.start])
+        parameters.bind()
+        weights = [self.master[p.own] if self.master is not None else parameters.view(p) for p in self.pieces]
         groups = param_groups if param_groups is not None else [{"params": list(module.parameters())}]
         piece_groups = []
         for g in groups:
-            members = {self.index[p] for p in g["params"]}
+            members = {partition.index[p] for p in g["params"]}
             piece_groups.append({**{k: v for k, v in g.items() if k != "params"},
-                                 "params": [piece for piece, i, a, b in self.pieces if i in members]})
+                                 "params": [w for w, p in zip(weights, self.pieces) if p.index in members]})
         self.optim = optimizer_class(piece_groups, **optimizer_kwargs)
-        if loss_scale is None and self.param_dtype == torch.float16:
+        self.weights = weights
+        if loss_scale is None and precision.param_dtype == torch.float16:
             loss_scale = DynamicLossScale()
         self.scaler = DynamicLossScale(init_scale=loss_scale, growth_interval=2**62) \
             if isinstance(loss_scale, (int, float)) else loss_scale  # a number: a static scale
         self.loss_scale = self.scaler.init_scale if self.scaler else 1.0
-        self.clean_steps = 0
-
-        # ---------------------------------------------------------------------------------
-        # Section 5.2 -- P_os+g: gradient buckets, reduced during backward.
-        # The trainable part of the flat space, [0, psi_trainable), is cut into buckets of
-        # bucket_numel elements. A bucket is reduced once every parameter in it has its
-        # gradient; buckets are reduced last to first (the order backward produces them), the
-        # same order on every rank. Stages 0-1 keep a full gradient buffer (4Ψ in fp32; the
-        # reduced shard is written back into it); stages 2-3 keep only the reduced shard
-        # (4Ψ/Nd) and a bucket's buffer lives only until it is reduced.
-        # ---------------------------------------------------------------------------------
-        self.bucket_numel = bucket_numel
-        self.n_buckets = math.ceil(self.psi_trainable / bucket_numel)
-        self.buckets_of = [range(self.offsets[i] // bucket_numel, (self.offsets[i + 1] - 1) // bucket_numel + 1)
-                           if self.params[i].numel() else range(0) for i in range(self.n_trainable)]
-        self.params_in_bucket = [0] * self.n_buckets
-        for i in range(self.n_trainable):
-            for k in self.buckets_of[i]:
-                self.params_in_bucket[k] += 1
-        if stage < 2:
-            self.flat_grad = torch.zeros(self.padded_numel, dtype=self.param_dtype, device=self.device)
-        self.shard_in_flat_grad = stage < 2 and self.reduce_dtype == self.param_dtype
-        if not self.shard_in_flat_grad:
-            self.grad_shard = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        for i in range(self.n_trainable):
-            self.params[i].register_post_accumulate_grad_hook(self._grad_ready)
-
-        self.param_gathers = []  # stages 1-2: (flat start, work) of the broadcasts step() left in flight
-        if stage in (1, 2):
-            self._install_wait_hooks()
-        if stage == 3:
-            self._install_gather_hooks(stage3_units or ())
-        self.buffers = [b for b in module.buffers()]
-        if self.buffers and self.nd > 1:
-            module.register_forward_pre_hook(self._broadcast_buffers)
+        gradients.require_scaled_backward = self.scaler is not None
+        self.clean_steps, self.norm_plan = 0, None
         self.zero_grad()
 
-    # -------------------------------------------------------------------------------------
-    # Section 5.2 (cont.) -- the reduction, in rank order.
-    # A bucket [a, b) holds for each rank j the part that falls in j's shard. all_to_all
-    # sends rank j its part from every rank; each rank then folds what it received in rank
-    # order, ((g_0 + g_1) + g_2) + ..., and divides by Nd: a reduce-scatter whose bits do not
-    # depend on bucket sizes, padding or stage. Each rank sends (Nd-1)/Nd of the bucket, as
-    # in a ring reduce-scatter: Ψ over all buckets (Section 7.1). Micro-batches: each
-    # backward is reduced on its own and added to the shard, in order.
-    # -------------------------------------------------------------------------------------
-    def _bucket(self, k):
-        a, b = k * self.bucket_numel, min((k + 1) * self.bucket_numel, self.psi_trainable)
-        if self.stage < 2:
-            return self.flat_grad[a:b]
-        if k not in self.bucket_bufs:  # empty: every element is written (a gradient, or zeros if unused)
-            self.bucket_bufs[k] = torch.empty(b - a, dtype=self.reduce_dtype, device=self.device)
-        return self.bucket_bufs[k]
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
 
-    def _reduce_bucket(self, k):
-        a, b = k * self.bucket_numel, min((k + 1) * self.bucket_numel, self.psi_trainable)
-        bucket = self._bucket(k).to(self.reduce_dtype)
-        self.bucket_bufs.pop(k, None)
-        splits = [_overlap(a, b, j * self.shard_numel, (j + 1) * self.shard_numel) for j in range(self.nd)]
-        mine = splits[self.rank]
-        received = bucket.new_empty(self.nd * mine)
-        # all-to-all: bucket (b - a,) split by owner -> received (nd * mine,), row j from rank j.
-        # Before: it blocked backward until done; now backward goes on computing the next
-        # bucket's gradients while this one is exchanged, and it is folded when the next bucket
-        # is issued (or at the end of backward): one in flight while backward computes.
-        work = dist.all_to_all_single(received, bucket, [mine] * self.nd, splits, group=self.group, async_op=True)
-        self.in_reduction.append((work, bucket, received.view(self.nd, mine), max(a, self.lo) - self.lo))
-        while len(self.in_reduction) > 1:
-            self._fold(*self.in_reduction.pop(0))
+    def backward(self, loss):
+        """loss.backward(), scaled by the loss scale when fp16 loss scaling is on."""
+        self.gradients.scaled_backward = True
+        try:
+            (loss.float() * self.loss_scale if self.scaler else loss).backward()
+        finally:
+            self.gradients.scaled_backward = False
 
-    def _fold(self, work, bucket, received, start):
-        """Sum what rank j sent, j = 0, 1, ..., into the shard at `start`, divided by Nd."""
-        work.wait()  # `bucket` was kept alive until now: it is the send buffer
-        out = self.grad_shard[start:start + received.shape[1]]
-        total = out if self.micro_batches == 0 else torch.empty_like(out)
-        # Before: copy row 0, then add rows 1, 2, ...; now the first add writes g_0 + g_1
-        # straight into the shard (the same sum, one pass over it fewer)
-        if self.nd == 1:
-            total.copy_(received[0])
+    def _grads(self):
+        """This rank's averaged gradient in its own space, unscaled, in the optimizer's dtype;
+        and whether any rank's overflowed. Computed once per step."""
+        if self.grads is None:
+            grads = self.gradients.own_grads().to(self.precision.master_dtype or self.precision.param_dtype)
+            found_inf = torch.zeros((), device=self.gradients.flag_device)
+            if self.scaler:
+                found_inf = (~grads.isfinite()).any().float()
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.partition.group)  # any rank's
+                grads.div_(self.loss_scale)
+            self.grads, self.overflow = grads, bool(found_inf)
+        return self.grads
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        """torch.nn.utils.clip_grad_norm_ over the full gradients, bit for bit: the norm of the
+        per-parameter norms in parameter order, then every gradient times min(1, max_norm /
+        (norm + 1e-6)). torch takes each norm over the whole tensor, in an order that depends on
+        its length, so a parameter whose gradient is split over ranks is first sent whole to one
+        rank (its "norm rank", chosen to balance the bytes): per step each rank sends about
+        (Nd-1)/Nd x Ψ/Nd elements, in rounds of at most bucket_numel (a larger parameter alone).
+        Returns the total norm."""
+        grads, used = self._grads(), self.gradients.used_anywhere
+        norms = torch.zeros(self.n_trainable, dtype=grads.dtype, device=grads.device)
+        if self.own_numel == self.partition.padded_numel:  # every gradient is whole here (stage 0, Nd 1)
+            for i in range(self.n_trainable):
+                a = self.partition.offsets[i]
+                norms[i] = torch.linalg.vector_norm(grads[a:a + self.partition.params[i].numel()], norm_type)
         else:
-            torch.add(received[0], received[1], out=total)
-        for j in range(2, self.nd):
-            total.add_(received[j])
-        total.div_(self.nd)
-        if total is not out:  # a later micro-batch: add its mean to the sum so far
-            out.add_(total)
+            for rnd in self._norm_plan():
+                self._norms_of_round(rnd, grads, norms, norm_type)
+            dist.all_reduce(norms, group=self.partition.group)  # (n_trainable,): each found on one rank, zeros elsewhere
+        total = torch.linalg.vector_norm(torch.stack([norms[i] for i in range(self.n_trainable) if used[i]]), norm_type)
+        grads.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
 
-    def _grad_ready(self, p):
-        """Post-accumulate-grad hook: p's gradient for this backward is complete."""
-        self._begin_backward()
-        i = self.index[p]
-        self.used[i] = True
-        a, n = self.offsets[i], p.numel()
-        grad = p.grad.view(-1)
-        for k in self.buckets_of[i]:  # copy into the bucket(s) it falls in
-            ka, kb = k * self.bucket_numel, min((k + 1) * self.bucket_numel, self.psi_trainable)
-            lo, hi = max(a, ka), min(a + n, kb)
-            self._bucket(k)[lo - ka:hi - ka].copy_(grad[lo - a:hi - a])
-        p.grad = None  # the full gradient lives on only in the bucket (stages 0-1: the flat buffer)
-        if self.stage == 3:  # the last gradient of p's group: backward is done with its parameters
-            g = self.group_of[p]
-            self.grads_left[g] -= 1
-            if self.grads_left[g] == 0:
-                self._free(self.groups[g][0])
-        for k in self.buckets_of[i]:
-            self.pending[k] -= 1
-        self._reduce_ready_buckets()
+    def _norm_plan(self):
+        """Rounds of (parameter index, norm rank, [(owner, flat start, flat end)] in flat order);
+        made on the first clip (a simulation at the paper's scale never clips)."""
+        if self.norm_plan is None:
+            part, load, plan, rnd, size = self.partition, [0] * self.partition.nd, [], [], 0
+            for i in range(self.n_trainable):
+                segments = [(j, max(lo, c.start), min(hi, c.stop)) for k in part.buckets_of[i]
+                            for bi, lo, hi in part.buckets[k].segments if bi == i
+                            for j, c in enumerate(part.chunk(k, j) for j in range(part.nd))
+                            if max(lo, c.start) < min(hi, c.stop)]
+                owners = {j for j, lo, hi in segments}
+                rank = owners.pop() if len(owners) == 1 else min(range(part.nd), key=lambda j: (load[j], j))
+                load[rank] += part.params[i].numel()
+                if rnd and size + part.params[i].numel() > part.buckets[0].chunk * part.nd:
+                    plan.append(rnd)
+                    rnd, size = [], 0
+                rnd.append((i, rank, segments))
+                size += part.params[i].numel()
+            self.norm_plan = plan + [rnd]
+        return self.norm_plan
 
-    def _reduce_ready_buckets(self):
-        while self.next_bucket >= 0 and self.pending[self.next_bucket] == 0:
-            self._reduce_bucket(self.next_bucket)
-            self.next_bucket -= 1
+    def _norms_of_round(self, rnd, grads, norms, norm_type):
+        part, me = self.partition, self.partition.rank
+        mine = collections.defaultdict(list)  # parameter index -> my pieces' gradients, flat order
+        for p in self.pieces:
+            mine[p.index].append(grads[p.own])
+        # all-to-all: my pieces of each parameter to its norm rank -> its whole gradient there
+        send = [[g for i, rank, s in rnd if rank == j for g in mine[i]] for j in range(part.nd)]
+        recv_splits = [sum(hi - lo for i, rank, segs in rnd if rank == me for o, lo, hi in segs if o == j)
+                       for j in range(part.nd)]
+        send_buf = torch.cat([g for gs in send for g in gs]) if any(send) else grads.new_empty(0)
+        if any(len({o for o, lo, hi in segs}) > 1 for i, rank, segs in rnd):
+            received = grads.new_empty(sum(recv_splits))
+            dist.all_to_all_single(received, send_buf, recv_splits, [sum(g.numel() for g in gs) for gs in send],
+                                   group=part.group)
+        else:  # every parameter of the round is whole on one rank: nothing to send
+            received = send_buf
+        starts = [sum(recv_splits[:j]) for j in range(part.nd)]  # where rank j's block begins
+        for i, rank, segs in rnd:
+            if rank != me or not self.gradients.used_anywhere[i]:
+                for o, lo, hi in segs if rank == me else ():
+                    starts[o] += hi - lo
+                continue
+            whole, a = grads.new_empty(part.params[i].numel()), part.offsets[i]
+            for o, lo, hi in segs:
+                whole[lo - a:hi - a] = received[starts[o]:starts[o] + hi - lo]
+                starts[o] += hi - lo
+            norms[i] = torch.linalg.vector_norm(whole, norm_type)
 
-    def _begin_backward(self):
-        if self.in_backward:
-            return
-        if self.scaler and not self.scaling:
-            raise RuntimeError("with fp16 loss scaling, call optimizer.backward(loss) instead of loss.backward()")
-        if self.shard_in_flat_grad and self.micro_batches == 1:
-            # Stages 0-1 reduce into their full gradient buffer, which the next micro-batch
-            # needs for its own gradients: the sum so far moves out (Ψ/Nd while accumulating).
-            self.grad_shard = self.grad_shard.clone()
-        Variable._execution_engine.queue_callback(self._finish_backward)
-        self.in_backward = True
+    def step(self):
+        """Update this rank's part and make the parameters whole again. Returns False when fp16
+        loss scaling found an overflow and skipped the step on every rank."""
+        self.parameters.wait()  # stages 1-2: last step's all-gather, if no forward waited for it
+        grads = self._grads()
+        if self.scaler:
+            self._update_loss_scale()
+            if self.overflow:
+                return False
+        for piece, w in zip(self.pieces, self.weights):
+            w.grad = grads[piece.own] if self.gradients.used_anywhere[piece.index] else None
+        self.optim.step()
+        if self.master is not None:  # fp32 master -> the 16-bit parameters
+            for f, o in self.owned:
+                self.parameters.owned_view(f, o).copy_(self.master[o])
+        self.parameters.after_step()
+        return True
 
-    def _finish_backward(self):
-        """End of backward: reduce what is left, agree on which parameters were used."""
-        for i in range(self.n_trainable):
-            if not self.used[i]:  # unused on this rank: it contributes zeros, as in DDP
-                a, b = self.offsets[i], self.offsets[i + 1]
-                for k in self.buckets_of[i]:
-                    ka = k * self.bucket_numel
-                    self._bucket(k)[max(a, ka) - ka:min(b, ka + self.bucket_numel) - ka].zero_()
-                    self.pending[k] -= 1
-        self._reduce_ready_buckets()
-        while self.in_reduction:
-            self._fold(*self.in_reduction.pop(0))
-        # A parameter unused on every rank in every micro-batch keeps no gradient (the
-        # optimizer skips it, as with DDP's find_unused_parameters=True); one used anywhere
-        # gets the average.
-        used = torch.tensor(self.used, dtype=torch.int32, device=self.flag_device)
-        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)  # (n_trainable,) flags
-        self.used_anywhere = [u or v for u, v in zip(self.used_anywhere, used.bool().tolist())]
-        if self.stage == 3:
-            self._finish_prefetch()
-            for buf, runs in self.groups:
-                self._free(buf)
-        self.micro_batches += 1
+    def _update_loss_scale(self):
+        s = self.scaler
+        if self.overflow:
+            self.loss_scale, self.clean_steps = max(self.loss_scale * s.backoff_factor, s.min_scale), 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps == s.growth_interval:
+                self.loss_scale, self.clean_steps = self.loss_scale * s.growth_factor, 0
+
+    def zero_grad(self, set_to_none=True):
+        if not set_to_none:
+            raise ValueError("zero_grad(set_to_none=False) is not supported: gradients are always released")
+        for w in self.weights:
+            w.grad = None
+        self.gradients.zero_grad()
+        self.grads, self.overflow = None, False
+
+    def wait_params(self):
+        """Stages 1-2: wait for the all-gather step() left in flight (other stages: nothing to wait for)."""
+        self.parameters.wait()
+
+    def model_state_bytes(self):
+        """Bytes of this rank's parameters, gradients and optimizer states, summed over the
+        distinct storages of the tensors that hold them (a storage freed by stage 3 counts 0)."""
+        tensors = [t for p in self.partition.params for t in (p, p.grad) if t is not None]
+        tensors += self.parameters.storages() + self.gradients.storages()
+        tensors += [self.master] if self.master is not None else []
+        tensors += [v for state in self.optim.state.values() for v in state.values() if torch.is_tensor(v)]
+        # keyed by the storage itself (_cdata), not data_ptr, which is 0 for every meta tensor
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                    for t in tensors if t.untyped_storage().nbytes() > 0}
+        return sum(storages.values())
+
+    # Full tensors for checkpoints and tests (gathered; not on the training path).
+    def _to_flat(self, own):
+        return own if self.own_numel == self.partition.padded_numel else self.partition.to_flat(own)
+
+    def full_state_dict(self):
+        self.parameters.wait()
+        # the fp32 master weights where they exist, else the parameters themselves
+        flat = self._to_flat(self.master) if self.master is not None else self.parameters.full()
+        part, state = self.partition, {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if t in part.index:
+                a = part.offsets[part.index[t]]
+                value = flat[a:a + t.numel()].view(t.shape).clone()
+            else:  # a buffer: rank 0's, as the next forward would see it
+                value = t.detach().clone()
+                dist.broadcast(value, group_src=0, group=part.group)
+            state[name] = value.float() if value.is_floating_point() else value
+        return state
+
+    def full_optimizer_state(self):
+        """{parameter name: {state key: full tensor}}, as the optimizer would hold it whole."""
+        kinds = {}  # per parameter: state key -> "elementwise" or the scalar state's value
+        for piece, w in zip(self.pieces, self.weights):
+            for key, v in self.optim.state.get(w, {}).items():
+                elementwise = torch.is_tensor(v) and v.shape == w.shape
+                kinds.setdefault(piece.index, {})[key] = "elementwise" if elementwise else v
+        everyone = [None] * self.partition.nd
+        dist.all_gather_object(everyone, kinds, group=self.partition.group)
+        merged = {}
+        for d in everyone:
+            for i, keys in d.items():
+                merged.setdefault(i, {}).update(keys)
+        full = {}
+        for key in sorted({k for d in merged.values() for k, v in d.items() if v == "elementwise"}):
+            own = torch.zeros(self.own_numel, device=self.master.device if self.master is not None else
+                              self.partition.params[0].device)  # one gather per elementwise state
+            for piece, w in zip(self.pieces, self.weights):
+                if key in self.optim.state.get(w, {}):
+                    own[piece.own] = self.optim.state[w][key]
+            full[key] = self._to_flat(own)
+        names = {p: n for n, p in self.module.named_parameters()}
+        result = {}
+        for i, keys in sorted(merged.items()):
+            p, a = self.partition.params[i], self.partition.offsets[i]
+            result[names[p]] = {k: full[k][a:a + p.numel()].view(p.shape).clone() if isinstance(v, str) else v
+                                for k, v in keys.items()}
+        return result
+
+
+# -----------------------------------------------------------------------------------------
+# Section 5.2 -- P_os+g: gradient buckets, reduced during backward.
+# A bucket is reduced once every parameter in it has its gradient; trainable buckets are
+# reduced last to first (the order backward produces them), the same order on every rank,
+# one in flight while backward computes the next. Stages 0-1 keep the full gradient (4Ψ in
+# fp32: the buckets are views into it, and each rank's reduced chunks are written back into
+# it); stages 2-3 keep only the reduced chunks (4Ψ/Nd) and a bucket lives until it is reduced.
+# Micro-batches: each backward is reduced on its own and added to the sum so far, in order.
+# -----------------------------------------------------------------------------------------
+class GradientBuckets:
+    def __init__(self, partition, precision, keep_full, replicate, on_grad, on_backward_end):
+        """keep_full: stages 0-1; replicate: stage 0, whose all-reduce is the reduce-scatter
+        followed by an all-gather of the reduced chunks. on_grad(p), on_backward_end(): the
+        parameters' hooks (stage 3 frees a module's parameters when backward is done with them)."""
+        self.partition, self.precision, self.replicate = partition, precision, replicate
+        self.on_grad, self.on_backward_end = on_grad, on_backward_end
+        self.n_trainable = sum(p.requires_grad for p in partition.params)
+        device = partition.params[0].device
+        # small flags (which parameters were used, overflow) must be readable: on the CPU when the
+        # model is on the meta device (memory_table.py simulates the paper's sizes that way)
+        self.flag_device = torch.device("cpu") if device.type == "meta" else device
+        self.full = torch.zeros(partition.padded_numel, dtype=precision.param_dtype, device=device) \
+            if keep_full else None
+        # where the reduced chunks go: into the full gradient itself (stages 0-1 when it has the
+        # reduce dtype), else a buffer of their own: the flat space at stage 0, the own space at 1-3
+        if keep_full and precision.reduce_dtype == precision.param_dtype:
+            self.reduced, at_flat = self.full, True
+        else:
+            self.reduced = torch.zeros(partition.padded_numel if replicate else partition.shard_numel,
+                                       dtype=precision.reduce_dtype, device=device)
+            at_flat = replicate
+        self.reduced_chunks = [self.reduced[partition.chunk(k) if at_flat else partition.own(k)]
+                               for k in range(len(partition.buckets))]
+        self.reduced_at_flat = at_flat
+        self.order = [k for k, b in enumerate(partition.buckets) if b.trainable]  # reduced in reverse
+        self.params_in_bucket = [len(b.segments) for b in partition.buckets]
+        self.require_scaled_backward, self.scaled_backward = False, False
+        for p in partition.params[:self.n_trainable]:
+            p.register_post_accumulate_grad_hook(self.grad_ready)
+
+    def storages(self):
+        return [t for t in (self.full, self.reduced) if t is not None]
+
+    def zero_grad(self):
+        for p in self.partition.params:
+            p.grad = None
+        self.micro_batches, self.used_anywhere = 0, [False] * self.n_trainable
         self._new_backward()
 
     def _new_backward(self):
         self.used = [False] * self.n_trainable  # this rank's gradient arrived, this backward
         self.pending = list(self.params_in_bucket)
-        self.bucket_bufs, self.in_reduction = {}, []  # in_reduction: all-to-alls not yet folded
-        self.next_bucket = self.n_buckets - 1
+        self.temporary, self.in_reduction = {}, []  # in_reduction: reductions not yet finished
+        self.next = len(self.order) - 1
         self.in_backward = False
-        if self.stage == 3:
-            self.grads_left = list(self.group_trainable)  # per group: gradients still to come
 
-    # -------------------------------------------------------------------------------------
-    # Section 5.3 -- P_os+g+p: parameters exist in full only while a module uses them.
-    # Before a module's forward, and again before its backward, the owners of its
-    # parameters broadcast their parts (Section 7.2.2); after the forward, and in backward once
-    # the gradients of all of them are complete, the full copy is freed. Every rank must
-    # run the same modules in the same order (as with FSDP and DeepSpeed ZeRO-3).
-    # Per-rank model states: (4 + 4 + K)Ψ/Nd.
-    # -------------------------------------------------------------------------------------
+    def _bucket(self, k):
+        """Where bucket k's gradients are written: the full gradient in the first backward of a
+        step (stages 0-1); else a bucket of its own, allocated on first use."""
+        if self.full is not None and self.micro_batches == 0:
+            return self.full[self.partition.flat_range(k)]
+        if k not in self.temporary:  # empty: every element is written (a gradient, zeros, padding)
+            b = self.partition.buckets[k]
+            self.temporary[k] = torch.empty(b.chunk * self.partition.nd, dtype=self.precision.reduce_dtype,
+                                            device=self.reduced.device)
+            self.temporary[k][b.numel:].zero_()
+        return self.temporary[k]
+
+    def begin(self):
+        """The first gradient hook of a backward (stage 3: the first module's pre-backward)."""
+        if self.in_backward:
+            return
+        if self.require_scaled_backward and not self.scaled_backward:
+            raise RuntimeError("with fp16 loss scaling, call optimizer.backward(loss) instead of loss.backward()")
+        Variable._execution_engine.queue_callback(self._finish_backward)
+        self.in_backward = True
+
+    def grad_ready(self, p):
+        """Post-accumulate-grad hook: p's gradient for this backward is complete."""
+        self.begin()
+        part, i = self.partition, self.partition.index[p]
+        self.used[i] = True
+        grad, a = p.grad.view(-1), part.offsets[i]
+        for k in part.buckets_of[i]:  # copy into the bucket(s) it falls in
+            b = part.buckets[k]
+            for j, lo, hi in b.segments:
+                if j == i:
+                    self._bucket(k)[lo - b.start:hi - b.start].copy_(grad[lo - a:hi - a])
+        p.grad = None  # the full gradient lives on only in the bucket (stages 0-1: the full buffer)
+        self.on_grad(p)
+        for k in part.buckets_of[i]:
+            self.pending[k] -= 1
+        self._reduce_ready_buckets()
+
+    def _reduce_ready_buckets(self):
+        while self.next >= 0 and self.pending[self.order[self.next]] == 0:
+            k = self.order[self.next]
+            bucket = self._bucket(k).to(self.precision.reduce_dtype)
+            self.temporary.pop(k, None)
+            self.in_reduction.append((k, self.partition.reduce_scatter(bucket, k)))
+            while len(self.in_reduction) > 1:  # one in flight while backward computes the next
+                self._finish_reduction()
+            self.next -= 1
+
+    def _finish_reduction(self):
+        k, pending = self.in_reduction.pop(0)
+        self.partition.finish_reduce(pending, self.reduced_chunks[k], add=self.micro_batches > 0)
+
+    def _finish_backward(self):
+        """End of backward: reduce what is left, agree on which parameters were used."""
+        part = self.partition
+        for i in range(self.n_trainable):
+            if not self.used[i]:  # unused on this rank: it contributes zeros, as in DDP
+                for k in part.buckets_of[i]:
+                    b = part.buckets[k]
+                    for j, lo, hi in b.segments:
+                        if j == i:
+                            self._bucket(k)[lo - b.start:hi - b.start].zero_()
+                    self.pending[k] -= 1
+        self._reduce_ready_buckets()
+        while self.in_reduction:
+            self._finish_reduction()
+        # A parameter unused on every rank in every micro-batch keeps no gradient (the
+        # optimizer skips it, as with DDP's find_unused_parameters=True); one used anywhere
+        # gets the average.
+        used = torch.tensor(self.used, dtype=torch.int32, device=self.flag_device)
+        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=part.group)  # (n_trainable,) flags
+        self.used_anywhere = [u or v for u, v in zip(self.used_anywhere, used.bool().tolist())]
+        self.on_backward_end()
+        self.micro_batches += 1
+        self._new_backward()
+
+    def own_grads(self):
+        """The reduced gradient in this rank's own space, at step time (no backward: zeros reduced)."""
+        if self.micro_batches == 0:
+            self._finish_backward()
+        part = self.partition
+        if self.replicate:
+            # all-reduce = reduce-scatter + all-gather: each rank sends its reduced chunks (Ψ/Nd)
+            for k in self.order:
+                part.all_gather(self.reduced[part.flat_range(k)], self.reduced_chunks[k], async_op=False)
+            return self.reduced
+        if self.reduced_at_flat:  # stage 1: the chunks, out of the full gradient
+            return torch.cat(self.reduced_chunks)
+        return self.reduced
+
+
+# -----------------------------------------------------------------------------------------
+# Stages 0-2 keep every parameter: each is a view into one flat buffer (padded_numel,).
+# After the step (Section 5.1, P_os), stages 1-2 all-gather each bucket's updated chunks in
+# place, in flight after step() returns; each module's next forward waits for the buckets
+# that cover its parameters, so the gather overlaps the first modules' forward. state_dict(),
+# step() and zero.full_state_dict() wait for all of it.
+# -----------------------------------------------------------------------------------------
+class FlatParameters:
+    def __init__(self, partition, module, dtype, gather_after_step):
+        self.partition, self.module, self.gather_after_step = partition, module, gather_after_step
+        self.flat = torch.zeros(partition.padded_numel, dtype=dtype, device=partition.params[0].device)
+        self.in_flight = []  # (flat start, work) of the all-gathers step() left in flight
+        if gather_after_step:
+            for m in module.modules():
+                own = list(m.parameters(recurse=False))
+                if own:
+                    end = max(partition.offsets[partition.index[p]] + p.numel() for p in own)
+                    m.register_forward_pre_hook(lambda mod, args, end=end: self.wait(end))
+            module.register_state_dict_pre_hook(lambda *args: self.wait())
+
+    def load(self, k, values):
+        self.flat[self.partition.flat_range(k)].copy_(values)
+
+    def bind(self):
+        for p, a in zip(self.partition.params, self.partition.offsets):
+            p.data = self.flat[a:a + p.numel()].view_as(p)
+
+    def view(self, piece):
+        return self.flat[piece.flat]
+
+    def owned_view(self, flat, own):
+        return self.flat[flat]
+
+    def after_step(self):
+        if self.gather_after_step:  # each rank's updated chunk to every rank: Ψ per rank (Section 7.2.1)
+            part = self.partition
+            for k in (k for k, b in enumerate(part.buckets) if b.trainable):
+                work = part.all_gather(self.flat[part.flat_range(k)], self.flat[part.chunk(k)])
+                self.in_flight.append((part.buckets[k].start, work))
+
+    def wait(self, end=math.inf):
+        """Wait for the all-gathers step() left in flight, of flat elements [0, end)."""
+        while self.in_flight and self.in_flight[0][0] < end:
+            self.in_flight.pop(0)[1].wait()
+
+    def full(self):
+        return self.flat
+
+    def storages(self):
+        return [self.flat]
+
+    def on_grad(self, p):
+        pass
+
+    def on_backward_end(self):
+        pass
+
+
+# -----------------------------------------------------------------------------------------
+# Section 5.3 -- P_os+g+p: parameters exist in full only while a module uses them.
+# Each rank keeps its chunks of every bucket (the shard, (4 + 4 + K)Ψ/Nd in all). Before a
+# module's forward, and again before its backward, its parameters are all-gathered, one
+# all-gather per bucket straight into the buffer they are views of (Section 7.2.2: Ψ in
+# forward, Ψ in backward); after the forward, and in backward once all their gradients are
+# in, the buffer is freed. Every rank must run the same modules in the same order (as with
+# FSDP and DeepSpeed ZeRO-3).
+# -----------------------------------------------------------------------------------------
+def gather_groups(module, units):
+    """What stage 3 gathers together. A unit (e.g. a transformer block) gathers all the
+    parameters below it at once: fewer, larger all-gathers. Any other module gathers the ones
+    it owns itself. A parameter owned by several modules (a tied embedding and output layer) is
+    a group of its own, kept from its first use to the end of the forward: gathered once, so
+    forward moves Ψ and no more. Returns (groups, [(module, its group indices)], shared groups)."""
+    units = set(units)
+    inside = {sub for u in units for sub in u.modules() if sub is not u}
+    owned = [(m, list(m.parameters(recurse=m in units))) for m in module.modules() if m not in inside]
+    owned = [(m, own) for m, own in owned if own]
+    owners = collections.Counter(p for m, own in owned for p in own)
+    shared = {p for p, n in owners.items() if n > 1}
+    groups, group_of, hooks = [], {}, []
+    for m, own in owned:
+        for members in [[p for p in own if p not in shared]] + [[p] for p in own if p in shared]:
+            if members and members[0] not in group_of:
+                group_of.update((p, len(groups)) for p in members)
+                groups.append(members)
+        hooks.append((m, tuple(sorted({group_of[p] for p in own}))))
+    return groups, hooks, {group_of[p] for p in shared}
+
+
+class ShardedParameters:
+    def __init__(self, partition, module, groups, hooks, shared, dtype, prefetch):
+        self.partition, self.shared, self.prefetch = partition, shared, prefetch
+        self.shard = torch.zeros(partition.shard_numel, dtype=dtype, device=partition.params[0].device)
+        self.group_of = {p: g for g, members in enumerate(groups) for p in members}
+        # a group's buckets are consecutive: its runs were laid out together
+        self.group_buckets = [sorted({k for p in members for k in partition.buckets_of[partition.index[p]]})
+                              for members in groups]
+        self.group_buckets = [range(ks[0], ks[-1] + 1) if ks else range(0) for ks in self.group_buckets]
+        self.buffers = [torch.empty(sum(partition.buckets[k].chunk * partition.nd for k in ks), dtype=dtype,
+                                    device=partition.params[0].device) for ks in self.group_buckets]
+        # In backward a group is freed when its last gradient arrives; one that holds a frozen
+        # parameter (no gradient says when backward is done with it) at the end of backward.
+        self.trainable_in = [math.inf if any(not p.requires_grad for p in members) else len(members)
+                             for members in groups]
+        self.grads_left = list(self.trainable_in)
+        self.refcount = [0] * len(groups)
+        self.prefetch_numel = prefetch * max(buf.numel() for buf in self.buffers)  # see _prefetch
+        self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, {}
+        self.gradients = None  # the GradientBuckets, set by initialize
+        for m, gids in hooks:
+            m.register_forward_pre_hook(lambda mod, args, gids=gids: self._pre_forward(gids))
+            m.register_forward_hook(lambda mod, args, out, gids=gids: self._post_forward(gids, out))
+        module.register_forward_hook(lambda mod, args, out: self._end_forward())
+
+    def load(self, k, values):
+        chunk = self.partition.buckets[k].chunk
+        self.shard[self.partition.own(k)].copy_(values[self.partition.rank * chunk:(self.partition.rank + 1) * chunk])
+
+    def bind(self):
+        """Each parameter becomes a view into its group's buffer, which stays empty until gathered."""
+        part = self.partition
+        for p, g in self.group_of.items():
+            start = part.buckets[self.group_buckets[g][0]].start if self.group_buckets[g] else 0
+            a = part.offsets[part.index[p]] - start
+            p.data = self.buffers[g][a:a + p.numel()].view(p.shape)
+        for buf in self.buffers:
+            self._free(buf)
+
+    def view(self, piece):
+        return self.shard[piece.own]
+
+    def owned_view(self, flat, own):
+        return self.shard[own]
+
+    def after_step(self):
+        pass  # nothing to gather now: the next forward gathers what it uses
+
+    def wait(self):
+        pass
+
+    def full(self):
+        return self.partition.to_flat(self.shard)
+
+    def storages(self):
+        return [self.shard]
+
     @staticmethod
     def _free(buf):
         buf.untyped_storage().resize_(0)
 
-    def _install_gather_hooks(self, units):
-        # A unit (e.g. a transformer block) gathers all the parameters below it at once: fewer,
-        # larger broadcasts. Any other module gathers the parameters it owns itself.
-        units = set(units)
-        inside = {sub for u in units for sub in u.modules() if sub is not u}
-        owned = [(m, list(m.parameters(recurse=m in units))) for m in self.module.modules() if m not in inside]
-        owned = [(m, own) for m, own in owned if own]
-        owners = collections.Counter(p for m, own in owned for p in own)
-        # A parameter owned by several modules (a tied embedding and output layer) stays
-        # gathered from its first use to the end of the whole forward: one gather, not one per
-        # module, so forward moves Ψ and no more.
-        shared = {p for p, n in owners.items() if n > 1}
-        # Groups: what one module gathers into one buffer (its parameters, a shared one alone).
-        self.groups, self.group_of = [], {}  # groups: (buffer, runs); group_of: parameter -> group
-        for m, own in owned:
-            for members in [[p for p in own if p not in shared]] + [[p] for p in own if p in shared]:
-                if members and members[0] not in self.group_of:
-                    self.groups.append(self._make_group(members, len(self.groups)))
-            gids = tuple(sorted({self.group_of[p] for p in own}))
-            m.register_forward_pre_hook(lambda mod, args, gids=gids: self._pre_forward(gids))
-            m.register_forward_hook(lambda mod, args, out, gids=gids: self._post_forward(gids, out))
-        self.shared = {self.group_of[p] for p in shared}
-        # In backward a group is freed when its last gradient arrives; one that holds a frozen
-        # parameter (no gradient says when backward is done with it) at the end of backward.
-        self.group_trainable = [0] * len(self.groups)
-        for p in self.params[:self.n_trainable]:
-            self.group_trainable[self.group_of[p]] += 1
-        for p in self.params[self.n_trainable:]:
-            self.group_trainable[self.group_of[p]] = math.inf  # never counted down to 0
-        self.refcount = [0] * len(self.groups)
-        self.prefetch_numel = self.prefetch * max(buf.numel() for buf, runs in self.groups)  # see _prefetch
-        self.module.register_forward_hook(lambda mod, args, out: self._end_forward())
-        self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, {}
-
-    def _make_group(self, members, g):
-        """Group g: one buffer for `members`, in flat order; each parameter becomes a view into
-        it. runs: [flat start, flat end, position in the buffer] of each stretch of the flat
-        space it holds (one for a block, whose parameters lie end to end)."""
-        members = sorted(members, key=lambda p: self.index[p])
-        buf = torch.empty(sum(p.numel() for p in members), dtype=self.param_dtype, device=self.device)
-        runs, at = [], 0
-        for p in members:
-            a = self.offsets[self.index[p]]
-            if runs and runs[-1][1] == a:
-                runs[-1][1] += p.numel()
-            else:
-                runs.append([a, a + p.numel(), at])
-            p.data = buf[at:at + p.numel()].view(p.shape)
-            self.group_of[p] = g
-            at += p.numel()
-        self._free(buf)  # empty until a module gathers it
-        return buf, runs
-
     def _gather(self, gids, prefetch=False):
-        """Gather groups gids (prefetch: leave the broadcasts in flight). Returns their elements."""
+        """Gather groups gids (prefetch: leave the all-gathers in flight). Returns their elements."""
+        part = self.partition
         for g in gids:
-            buf, runs = self.groups[g]
-            if g in self.in_flight and not prefetch:  # prefetched: wait for its broadcasts
+            buf = self.buffers[g]
+            if g in self.in_flight and not prefetch:  # prefetched: wait for its all-gathers
                 for work in self.in_flight.pop(g):
                     work.wait()
             if buf.numel() == 0 or buf.untyped_storage().nbytes() > 0:
                 continue  # gathered already (or on its way)
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-            # Before: each parameter had a storage of its own, and broadcasts landed in a staging
-            # buffer copied out into them; now a group's parameters are views into one buffer,
-            # and each owner broadcasts its part straight into it (one allocation, no copy).
-            works = [work for a, b, at in runs
-                     for lo, work in self._broadcast_from_owners(buf, a, b, at, fill=True)]
+            start = part.buckets[self.group_buckets[g][0]].start
+            # one all-gather per bucket, from every rank's shard into the parameters' own buffer
+            works = [part.all_gather(buf[part.flat_range(k).start - start:part.flat_range(k).stop - start],
+                                     self.shard[part.own(k)]) for k in self.group_buckets[g]]
             if prefetch:  # waited for when the group is used
                 self.in_flight[g] = works
             else:
                 for work in works:
                     work.wait()
-        return sum(self.groups[g][0].numel() for g in gids)
+        return sum(self.buffers[g].numel() for g in gids)
 
     def _finish_prefetch(self):
         for works in self.in_flight.values():
@@ -475,12 +864,10 @@ class ZeroOptimizer:
         self.in_flight = {}
 
     def _prefetch(self, gids, step):
-        """Before: each unit's gather waited for its own forward or backward; now the next
-        units' broadcasts (in the order the first forward ran them, reversed in backward) are
-        issued as this one starts, and overlap its compute. Before: the next unit only; now
-        units up to `prefetch` times the largest unit's elements, so that a small module
-        between two blocks (an embedding, the final LayerNorm) does not leave the next block's
-        gather exposed."""
+        """Gather the next units (in the order the first forward ran them, reversed in backward)
+        as this one starts, so their all-gathers overlap its compute: up to `prefetch` times the
+        largest unit's elements ahead, so that a small module between two blocks (an embedding,
+        the final LayerNorm) does not leave the next block's gather exposed."""
         k, budget = self.unit_position.get(id(gids)), self.prefetch_numel
         while k is not None and budget > 0 and 0 <= k + step < len(self.unit_order):
             k += step
@@ -503,12 +890,12 @@ class ZeroOptimizer:
     def _release(self, gids):
         for g in gids:
             if self.refcount[g] == 0:
-                self._free(self.groups[g][0])
+                self._free(self.buffers[g])
 
     def _post_forward(self, gids, out):
         for g in gids:
             self.refcount[g] -= 1
-        if not self.in_backward:  # a forward recomputed in backward (P_a) keeps them for backward
+        if not self.gradients.in_backward:  # a forward recomputed in backward (P_a) keeps them for backward
             self._release([g for g in gids if g not in self.shared])
         if torch.is_grad_enabled():  # gather again when backward reaches this module
             for t in tree_flatten(out)[0]:
@@ -516,243 +903,31 @@ class ZeroOptimizer:
                     t.register_hook(lambda grad, gids=gids: self._pre_backward(gids))
 
     def _pre_backward(self, gids):
-        self._begin_backward()
+        self.gradients.begin()
         self._gather(gids)
         self._prefetch(gids, -1)
 
-    # -------------------------------------------------------------------------------------
-    # Buffers follow rank 0 at every training forward, as in DDP (broadcast_buffers=True).
-    # -------------------------------------------------------------------------------------
-    def _broadcast_buffers(self, module, args):
-        if torch.is_grad_enabled():
-            for b in self.buffers:
-                dist.broadcast(b, group_src=0, group=self.group)
+    def on_grad(self, p):
+        """The last gradient of p's group: backward is done with its parameters."""
+        g = self.group_of[p]
+        self.grads_left[g] -= 1
+        if self.grads_left[g] == 0:
+            self._free(self.buffers[g])
 
-    # -------------------------------------------------------------------------------------
-    # The step: update this rank's partition, then make the parameters whole again.
-    # -------------------------------------------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
+    def on_backward_end(self):
+        self._finish_prefetch()
+        for buf in self.buffers:
+            self._free(buf)
+        self.grads_left = list(self.trainable_in)
 
-    def backward(self, loss):
-        """loss.backward(), scaled by the loss scale when fp16 loss scaling is on."""
-        self.scaling = True
-        try:
-            (loss.float() * self.loss_scale if self.scaler else loss).backward()
-        finally:
-            self.scaling = False
 
-    def _grads(self):
-        """This rank's averaged gradient, (own_numel,) from flat index `base`, unscaled, in the
-        optimizer's dtype; and whether any rank's overflowed. Computed once per step."""
-        if self.grads is None:
-            if self.micro_batches == 0:  # no backward reached a parameter: reduce zeros
-                self._finish_backward()
-            grads = self.grad_shard
-            if self.stage == 0:
-                # all-reduce = reduce-scatter + all-gather: each rank sends its reduced shard (Ψ/Nd)
-                full = self.flat_grad if self.shard_in_flat_grad else grads.new_empty(self.padded_numel)
-                full[self.lo:self.hi].copy_(grads)  # returns at once where grads is that very slice
-                grads = self._all_gather(full)
-            grads = grads.to(self.master_dtype or self.param_dtype)
-            found_inf = torch.zeros((), device=self.flag_device)
-            if self.scaler:
-                found_inf = (~grads.isfinite()).any().float()
-                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)  # any rank's shard
-                grads.div_(self.loss_scale)
-            self.grads, self.overflow = grads, bool(found_inf)
-        return self.grads
-
-    def clip_grad_norm_(self, max_norm, norm_type=2.0):
-        """torch.nn.utils.clip_grad_norm_ over the full gradients, bit for bit: the norm of the
-        per-parameter norms in parameter order, then every gradient times min(1, max_norm /
-        (norm + 1e-6)). A parameter's norm is taken where its whole gradient is: on its rank,
-        or, for one straddling a shard boundary, on its first rank after its pieces are sent
-        there. Returns the total norm."""
-        grads = self._grads()
-        norms = torch.zeros(self.n_trainable, dtype=grads.dtype, device=self.device)
-        for i in range(self.n_trainable):
-            if not self.used_anywhere[i]:
-                continue
-            a, b = self.offsets[i], self.offsets[i + 1]
-            first = a // self.shard_numel
-            if self.stage == 0 or a // self.shard_numel == (b - 1) // self.shard_numel:
-                if self.stage == 0 or first == self.rank:
-                    norms[i] = torch.linalg.vector_norm(grads[a - self.base:b - self.base], norm_type)
-                continue
-            # a straddler: all-to-all of each rank's piece to its first rank -> (b - a,) there
-            splits = [_overlap(a, b, j * self.shard_numel, (j + 1) * self.shard_numel) for j in range(self.nd)]
-            mine = grads[max(a, self.lo) - self.lo:max(a, self.lo) - self.lo + splits[self.rank]]
-            whole = grads.new_empty(b - a if self.rank == first else 0)
-            dist.all_to_all_single(whole, mine, splits if self.rank == first else [0] * self.nd,
-                                   [splits[self.rank] if j == first else 0 for j in range(self.nd)],
-                                   group=self.group)
-            if self.rank == first:
-                norms[i] = torch.linalg.vector_norm(whole, norm_type)
-        if self.stage > 0:  # each norm was found on one rank, zeros elsewhere: the sum is exact
-            dist.all_reduce(norms, group=self.group)  # (n_trainable,)
-        total = torch.linalg.vector_norm(torch.stack([norms[i] for i in range(self.n_trainable)
-                                                      if self.used_anywhere[i]]), norm_type)
-        grads.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-        return total
-
-    def step(self):
-        """Update this rank's partition and gather the parameters. Returns False when fp16 loss
-        scaling found an overflow and skipped the step on every rank."""
-        self._wait_params()  # the shard is still being sent if no forward came since the last step
-        grads = self._grads()
-        if self.scaler:
-            self._update_loss_scale()
-            if self.overflow:
-                return False
-        for piece, i, a, b in self.pieces:
-            piece.grad = grads[a - self.base:b - self.base] if self.used_anywhere[i] else None
-        self.optim.step()
-        if self.master_dtype:
-            self.own_params.copy_(self.master)  # fp32 master -> the 16-bit parameters
-        if self.stage in (1, 2):
-            # each rank sends its updated shard (Ψ/Nd); the next forward waits for it (below)
-            self.param_gathers = self._all_gather(self.flat_param, wait=False)
-        # stage 3: nothing to gather now; the next forward gathers what it uses
-        return True
-
-    def _broadcast_from_owners(self, buf, a, b, at=0, fill=False):
-        """Flat elements [a, b) to every rank, landing in buf[at:at + b - a]: each owner
-        broadcasts its part in flat order, at most bucket_numel elements at a time (C_B);
-        fill: the owner first copies its part there from param_shard (stage 3). Returns
-        [(flat start, work)], in flight."""
-        works = []
-        for j in range(self.nd):
-            j_lo, j_hi = j * self.shard_numel, (j + 1) * self.shard_numel
-            for lo in range(max(a, j_lo), min(b, j_hi), self.bucket_numel):
-                part = buf[at + lo - a:at + min(lo + self.bucket_numel, b, j_hi) - a]
-                if fill and j == self.rank:
-                    part.copy_(self.param_shard[lo - self.lo:lo - self.lo + part.numel()])
-                works.append((lo, dist.broadcast(part, group_src=j, group=self.group, async_op=True)))  # from rank j
-        return works
-
-    def _all_gather(self, full, wait=True):
-        """full (padded_numel,): rank j's shard full[j*S:(j+1)*S] to every rank, by owner
-        broadcasts. Before: all_gather_single; now asynchronous broadcasts, the same bytes
-        ((Nd-1)/Nd of the tensor per rank, Section 7) in about a third of the time on gloo (43
-        MB at world 2: 60 -> 18 ms; world 4: 103 -> 35 ms). wait=False: returns [(flat start,
-        work)] still in flight."""
-        works = self._broadcast_from_owners(full, 0, self.padded_numel)
-        if not wait:
-            return works
-        for lo, work in works:
-            work.wait()
-        return full
-
-    # -------------------------------------------------------------------------------------
-    # Section 5.1 (cont.) -- stages 1-2 gather the updated parameters after the step.
-    # Before: step() waited for the whole all-gather; now it leaves the broadcasts in flight,
-    # and each module waits, just before its next forward, for those that cover its
-    # parameters: the gather overlaps the first modules' forward. state_dict(), step() and
-    # zero.full_state_dict() wait for all of it.
-    # -------------------------------------------------------------------------------------
-    def _install_wait_hooks(self):
-        for m in self.module.modules():
-            own = list(m.parameters(recurse=False))
-            if own:
-                end = max(self.offsets[self.index[p] + 1] for p in own)
-                m.register_forward_pre_hook(lambda mod, args, end=end: self._wait_params(end))
-        self.module.register_state_dict_pre_hook(lambda *args: self._wait_params())
-
-    def _wait_params(self, end=math.inf):
-        """Wait for the broadcasts that step() left in flight, of flat elements [0, end)."""
-        while self.param_gathers and self.param_gathers[0][0] < end:
-            self.param_gathers.pop(0)[1].wait()
-
-    def _update_loss_scale(self):
-        s = self.scaler
-        if self.overflow:
-            self.loss_scale, self.clean_steps = max(self.loss_scale * s.backoff_factor, s.min_scale), 0
-        else:
-            self.clean_steps += 1
-            if self.clean_steps == s.growth_interval:
-                self.loss_scale, self.clean_steps = self.loss_scale * s.growth_factor, 0
-
-    def zero_grad(self, set_to_none=True):
-        if not set_to_none:
-            raise ValueError("zero_grad(set_to_none=False) is not supported: gradients are always released")
-        for p in self.params:
-            p.grad = None
-        for piece, i, a, b in self.pieces:
-            piece.grad = None
-        if self.shard_in_flat_grad:
-            self.grad_shard = self.flat_grad[self.lo:self.hi]  # P_os: reduced in place
-        self.micro_batches, self.used_anywhere = 0, [False] * self.n_trainable
-        self.grads, self.overflow, self.scaling = None, False, False
-        self._new_backward()
-
-    def model_state_bytes(self):
-        """Bytes of this rank's parameters, gradients and optimizer states, summed over the
-        distinct storages of the tensors that hold them (a storage freed by stage 3 counts 0)."""
-        tensors = [t for p in self.params for t in (p, p.grad) if t is not None]
-        tensors += [getattr(self, n) for n in ("flat_param", "param_shard", "master", "flat_grad", "grad_shard")
-                    if hasattr(self, n)]
-        tensors += [v for state in self.optim.state.values() for v in state.values() if torch.is_tensor(v)]
-        # keyed by the storage itself (_cdata), not data_ptr, which is 0 for every meta tensor
-        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                    for t in tensors if t.untyped_storage().nbytes() > 0}
-        return sum(storages.values())
-
-    # -------------------------------------------------------------------------------------
-    # Full tensors for checkpoints and tests (gathered; not on the training path).
-    # -------------------------------------------------------------------------------------
-    def _full(self, own):
-        """A (padded_numel,) tensor from each rank's (own_numel,) part."""
-        if self.stage == 0:
-            return own
-        full = own.new_empty(self.padded_numel)
-        dist.all_gather_single(full, own, group=self.group)
-        return full
-
-    def full_state_dict(self):
-        self._wait_params()
-        # the fp32 master weights where they exist, else the parameters themselves
-        flat = self._full(self.master) if self.master_dtype else \
-            self.flat_param if self.stage < 3 else self._full(self.param_shard)
-        state = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if t in self.index:
-                i = self.index[t]
-                value = flat[self.offsets[i]:self.offsets[i + 1]].view(t.shape).clone()
-            else:  # a buffer: rank 0's, as the next forward would see it
-                value = t.detach().clone()
-                dist.broadcast(value, group_src=0, group=self.group)
-            state[name] = value.float() if value.is_floating_point() else value
-        return state
-
-    def full_optimizer_state(self):
-        """{parameter name: {state key: full tensor}}, as the optimizer would hold it whole."""
-        kinds = {}  # per parameter: state key -> "elementwise" or the scalar state's value
-        for piece, i, a, b in self.pieces:
-            for key, v in self.optim.state.get(piece, {}).items():
-                elementwise = torch.is_tensor(v) and v.shape == piece.shape
-                kinds.setdefault(i, {})[key] = "elementwise" if elementwise else v
-        everyone = [None] * self.nd
-        dist.all_gather_object(everyone, kinds, group=self.group)
-        merged = {}
-        for d in everyone:
-            for i, keys in d.items():
-                merged.setdefault(i, {}).update(keys)
-        full = {}
-        for key in sorted({k for d in merged.values() for k, v in d.items() if v == "elementwise"}):
-            part = torch.zeros(self.own_numel, device=self.device)  # one gather per elementwise state
-            for piece, i, a, b in self.pieces:
-                if key in self.optim.state.get(piece, {}):
-                    part[a - self.base:b - self.base] = self.optim.state[piece][key]
-            full[key] = self._full(part)
-        names = {p: n for n, p in self.module.named_parameters()}
-        result = {}
-        for i, keys in sorted(merged.items()):
-            p = self.params[i]
-            result[names[p]] = {k: full[k][self.offsets[i]:self.offsets[i + 1]].view(p.shape).clone()
-                                if isinstance(v, str) else v for k, v in keys.items()}
-        return result
+# -----------------------------------------------------------------------------------------
+# Buffers follow rank 0 at every training forward, as in DDP (broadcast_buffers=True).
+# -----------------------------------------------------------------------------------------
+def _broadcast_buffers(buffers, group, module, args):
+    if torch.is_grad_enabled():
+        for b in buffers:
+            dist.broadcast(b, group_src=0, group=group)
 
 
 # -----------------------------------------------------------------------------------------
@@ -829,12 +1004,18 @@ def checkpoint_activations(blocks, tp_group=None, partition=False, cpu=False, co
     return ActivationCheckpointing(blocks, tp_group, partition, cpu, contiguous)
 
 
+
+
 # -----------------------------------------------------------------------------------------
-# Entry points
+# Entry points. initialize composes the parts a stage needs, once:
+#   stage 0  FlatParameters (no gather after step)   GradientBuckets(full, all-gathered)  owns every bucket
+#   stage 1  FlatParameters (all-gather after step)  GradientBuckets(full)                owns its chunks
+#   stage 2  FlatParameters (all-gather after step)  GradientBuckets(reduced chunks only)  owns its chunks
+#   stage 3  ShardedParameters (gathers per module)  GradientBuckets(reduced chunks only)  owns its chunks
 # -----------------------------------------------------------------------------------------
 def initialize(module, optimizer_class, stage, group=None, param_groups=None, bucket_numel=DEFAULT_BUCKET_NUMEL,
                param_dtype=None, reduce_dtype=None, loss_scale=None, stage3_units=None, prefetch=1,
-               **optimizer_kwargs):
+               reduction="exact", **optimizer_kwargs):
     """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world).
 
     Returns (module, optimizer): the same module, now sharded and hooked, and the optimizer
@@ -842,6 +1023,10 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     as keywords; `param_groups` is an optional list of {"params": [...], **options} over the
     module's parameters, as torch.optim takes it. Every rank starts from rank 0's weights.
 
+    bucket_numel: elements per bucket, the unit of every reduce-scatter and all-gather (C_B).
+    reduction: "exact" (default) sums gradients in rank order, the same bits at every stage,
+    bucket size and Nd; "native" uses the backend's reduce-scatter (on GPUs NCCL's, faster at
+    scale, in NCCL's order of summation).
     param_dtype=torch.bfloat16 or torch.float16: the model computes in 16 bits and the
     optimizer keeps fp32 master weights for its partition. reduce_dtype: the dtype gradients
     are summed in (default: param_dtype). loss_scale: fp16's loss scaling, a DynamicLossScale
@@ -853,9 +1038,48 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
 
     At stages 1-2, step() returns with the all-gather of the updated parameters still in
     flight: each module's forward waits for its own part, and module.state_dict(),
-    zero.full_state_dict() and the next step() wait for all of it. Read the parameters any
-    other way (p.data, parameters_to_vector) only after one of those.
+    zero.full_state_dict(), optimizer.wait_params() and the next step() wait for all of it.
+    Read the parameters any other way (p.data, parameters_to_vector) only after one of those.
     """
+    _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
+           loss_scale, prefetch, reduction, optimizer_kwargs)
+    params = list(module.parameters())  # unique: a tied weight is listed once
+    params = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
+    precision = Precision(param_dtype or params[0].dtype, reduce_dtype or param_dtype or params[0].dtype)
+    for b in module.buffers():
+        if b.is_floating_point():
+            b.data = b.data.to(precision.param_dtype)
+    if stage < 3:  # the trainable parameters in module order, then the frozen ones
+        runs = [(params[:sum(p.requires_grad for p in params)], True),
+                (params[sum(p.requires_grad for p in params):], False)]
+    else:  # group by group, as stage 3 gathers them
+        groups, hooks, shared = gather_groups(module, stage3_units or ())
+        runs = [([p for p in members if p.requires_grad == trainable], trainable)
+                for members in groups for trainable in (True, False)]
+    partition = FlatPartition(params, [(run, t) for run, t in runs if run], group, bucket_numel, reduction)
+    if stage < 3:
+        parameters = FlatParameters(partition, module, precision.param_dtype, gather_after_step=stage > 0)
+    else:
+        parameters = ShardedParameters(partition, module, groups, hooks, shared, precision.param_dtype, prefetch)
+    gradients = GradientBuckets(partition, precision, keep_full=stage < 2, replicate=stage == 0,
+                                on_grad=parameters.on_grad, on_backward_end=parameters.on_backward_end)
+    if stage == 3:
+        parameters.gradients = gradients
+    buckets = range(len(partition.buckets))
+    owned = [(partition.flat_range(k), partition.flat_range(k)) for k in buckets] if stage == 0 else \
+        [(partition.chunk(k), partition.own(k)) for k in buckets]
+    optimizer = ZeroOptimizer(module, partition, parameters, gradients, owned, precision, loss_scale,
+                              optimizer_class, param_groups, optimizer_kwargs)
+    buffers = list(module.buffers())
+    if buffers and partition.nd > 1:
+        module.register_forward_pre_hook(functools.partial(_broadcast_buffers, buffers, group))
+    module._zero = optimizer
+    return module, optimizer
+
+
+def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
+           loss_scale, prefetch, reduction, optimizer_kwargs):
+    """Bad input: a clear error that names the fix."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("zero.initialize needs a process group: call torch.distributed.init_process_group"
                            "('gloo' on CPU, 'nccl' on GPU) first, or run under torchrun")
@@ -906,10 +1130,9 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
                          f"gathers ahead (got {prefetch!r})")
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be at least 1 (got {bucket_numel})")
-    optimizer = ZeroOptimizer(module, optimizer_class, stage, group, param_groups, bucket_numel,
-                              param_dtype, reduce_dtype, loss_scale, stage3_units, prefetch, optimizer_kwargs)
-    module._zero = optimizer
-    return module, optimizer
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be 'exact' (rank-order sums, bit-reproducible) or 'native' (the backend's "
+                         f"reduce-scatter) (got {reduction!r})")
 
 
 def _engine(module):
