@@ -9,6 +9,7 @@ every system must share (same seed, same weights, same data).
     python bench.py --world 2 --steps 1 --warmup 1 --repeats 1 --launches 1   # smoke: each row once
     python bench.py --systems ddp fsdp2 zero3 --repeats 20       # a subset, more rounds
     python bench.py --json > bench.json                          # the rows as one JSON object
+    python bench.py --nodes 4 --link 200mbit                     # 4 emulated nodes, 200 Mbit/s links (root, iproute2)
 
 Each system is a fresh gloo process group of --world spawned ranks (memory_table.run_on_ranks),
 all started at once and then driven in turns: round after round (--repeats), each system in
@@ -17,18 +18,28 @@ turns of one more DDP process group, the clock. A ratio to DDP is a turn's time 
 clock's around it, so the machine's drift cancels; the DDP row against the clock shows the
 noise that is left. All of that happens --launches times, with new processes each time, so
 that one process group's lasting offset (a few percent, measured) averages out too.
+With --nodes N every rank runs in a network namespace of its own (an emulated node) and gloo
+talks over veth links to a bridge, each link capped at --link each way by tc; bench.py makes
+the namespaces before the systems start and deletes them at the end.
 Progress goes to stderr.
 """
 import argparse
+import atexit
 import contextlib
+import ctypes
 import importlib.util
+import itertools
 import json
 import queue
 import os
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections import Counter
 
 import torch
@@ -59,7 +70,11 @@ FORMULA = ["16Ψ", "4Ψ+4Ψ+8Ψ/Nd", "4Ψ+12Ψ/Nd", "16Ψ/Nd"]  # Section 5 in f
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world", type=int, default=2, help="ranks: the data-parallel degree Nd")
+    p.add_argument("--world", type=int, help="ranks: the data-parallel degree Nd (default 2; --nodes N: N)")
+    p.add_argument("--nodes", type=int, help="run the ranks as N emulated nodes, one rank each (sets --world; "
+                   "needs root and iproute2)")
+    p.add_argument("--link", metavar="RATE", help="with --nodes: every node's link capped at RATE each way, "
+                   "in tc's units (200mbit, 1gbit)")
     p.add_argument("--model", default="small", choices=list(PRESETS), help="gpt.py preset")
     p.add_argument("--steps", type=int, default=1, help="timed steps per turn, after its one untimed lead-in step")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the first turn")
@@ -75,6 +90,16 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--json", action="store_true", help="print the rows as one JSON object instead of the table")
     args = p.parse_args(argv)
+    if args.nodes is not None:
+        if args.world is not None and args.world != args.nodes:
+            p.error(f"--world {args.world} differs from --nodes {args.nodes}: one rank per node (leave out --world)")
+        if args.link is None:
+            p.error("--nodes needs --link RATE, the cap on every link (e.g. --link 200mbit)")
+        args.world = args.nodes
+    elif args.link is not None:
+        p.error("--link needs --nodes N")
+    if args.world is None:
+        args.world = 2
     for name in ("world", "steps", "warmup", "repeats", "launches", "batch_size", "seq_len", "threads"):
         least = 0 if name == "warmup" else 1
         if getattr(args, name) < least:
@@ -178,7 +203,7 @@ def serve_rank(system, args, inboxes, outbox):
             train_step()
         ms = (time.perf_counter() - t0) * 1000 / args.steps
         if hasattr(model, "_zero"):  # zero.py stages 1-2: the last step's gather lands before the
-            model._zero._wait_params()  # next turn, untimed (no overlap with another system's turn)
+            model._zero.wait_params()  # next turn, untimed (no overlap with another system's turn)
         outbox.put((rank, ms))
 
     # One more step, untimed and probed: each sample is the live tensors less the baseline and
@@ -203,19 +228,21 @@ def serve_rank(system, args, inboxes, outbox):
 
 class Server:
     """One system's process group, run from a thread of this process; ask() sends an order to
-    every rank and returns their replies in rank order."""
+    every rank and returns their replies in rank order. nodes: the emulated nodes (--nodes) the
+    ranks run on, one each; None: plain processes on this machine's loopback."""
 
-    def __init__(self, system, args):
+    def __init__(self, system, args, nodes=None):
         ctx = mp.get_context("spawn")
         self.system, self.nd = system, args.world
         self.inboxes, self.outbox, self.result, self.error = [ctx.Queue() for _ in range(self.nd)], ctx.Queue(), None, None
-        self.thread = threading.Thread(target=self._run, args=(args,), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(args, nodes), daemon=True)
         self.thread.start()
 
-    def _run(self, args):
-        try:
-            self.result = memory_table.run_on_ranks(self.nd, serve_rank, self.system, args, self.inboxes, self.outbox,
-                                                    timeout=None)  # the ranks live as long as the benchmark
+    def _run(self, args, nodes):
+        work = (serve_rank, self.system, args, self.inboxes, self.outbox)
+        try:  # the ranks live as long as the benchmark
+            self.result = memory_table.run_on_ranks(self.nd, *work, timeout=None) if nodes is None else \
+                nodes.run(*work)
         except Exception as e:  # a rank failed: ask() reports it
             self.error = e
 
@@ -234,6 +261,155 @@ class Server:
         for inbox in self.inboxes:
             inbox.put(order)
         return self.replies()
+
+
+# ---------------------------------------------------------------------------
+# Emulated nodes (--nodes N --link RATE). Each rank runs in a network namespace of its own, the
+# node; node r holds one end of a veth pair, veth<r> at SUBNET.<r+1>/24, and the other end,
+# port<r>, sits on a bridge in one more namespace. Both ends of every pair carry a token bucket
+# filter at RATE, so each node sends and receives at most RATE, as through a NIC on a switch.
+# Every name starts with zb<pid>- (two runs never collide), and everything is made with
+# `ip -n NS` inside the new namespaces: the root namespace gets no address, link or route.
+# Deleting the namespaces deletes their veths and the bridge. One set of nodes serves every
+# system and the clock, each process group with its own store port; past the warm-up only one
+# of them runs at a time (drive), so they do not share the links' bandwidth.
+# ---------------------------------------------------------------------------
+SUBNET = "10.213.0"  # private, and only inside this run's namespaces
+NEEDS = "--nodes needs root and iproute2 (apt-get install iproute2) to create network namespaces"
+CLONE_NEWNET = 0x40000000  # <sched.h>: setns into a network namespace
+
+
+def nodes_problem():
+    """Why emulated nodes cannot be made here, in a few words; None: they can (a namespace was
+    made and deleted to find out)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "not root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found"
+    probe = f"zb{os.getpid()}-probe"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return f"ip netns add: {made.stderr.strip()}" if made.returncode else None
+
+
+class Nodes:
+    """n emulated nodes with links capped at rate, made at once; remove() deletes all of them
+    (also what a failed construction left, and at exit whatever is still there). run(fn, *args)
+    starts a process group on them."""
+
+    def __init__(self, n, rate):
+        prefix = f"zb{os.getpid()}"
+        self.names, self.bridge = [f"{prefix}-{r}" for r in range(n)], f"{prefix}-br"
+        self.addrs = [f"{SUBNET}.{r + 1}" for r in range(n)]
+        self.made = []  # namespaces to delete: each is listed before it is made
+        atexit.register(self.remove)  # the last resort, should a second Ctrl-C cut a removal short
+        # Store ports: nothing but this run's ranks listens in these namespaces, so counting up
+        # gives a free port each time (below the kernel's ephemeral range, 32768 and up, where
+        # gloo's own sockets go); no port is reused, none waits in TIME_WAIT.
+        self.ports = itertools.count(29500)
+        try:
+            for ns in [self.bridge] + self.names:
+                self.made.append(ns)
+                self._cmd("ip", "netns", "add", ns)
+                self._cmd("ip", "-n", ns, "link", "set", "lo", "up")  # rank 0 reaches its own store by its address
+            self._cmd("ip", "-n", self.bridge, "link", "add", "name", "br0", "type", "bridge")
+            self._cmd("ip", "-n", self.bridge, "link", "set", "br0", "up")
+            for r, (ns, addr) in enumerate(zip(self.names, self.addrs)):
+                # the pair is made in the bridge's namespace with its peer straight in the node's
+                self._cmd("ip", "-n", self.bridge, "link", "add", "name", f"port{r}", "type", "veth",
+                          "peer", "name", f"veth{r}", "netns", ns)
+                self._cmd("ip", "-n", self.bridge, "link", "set", f"port{r}", "master", "br0", "up")
+                self._cmd("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", f"veth{r}")
+                self._cmd("ip", "-n", ns, "link", "set", f"veth{r}", "up")
+                for where, dev in ((ns, f"veth{r}"), (self.bridge, f"port{r}")):  # node's upload, its download
+                    self._cmd("tc", "-n", where, "qdisc", "add", "dev", dev, "root",
+                              "tbf", "rate", rate, "burst", "256kb", "latency", "100ms")
+        except BaseException:
+            self.remove()
+            raise
+
+    @staticmethod
+    def _cmd(*cmd):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()}")
+
+    def remove(self):
+        while self.made:  # a namespace's veth ends go with it, and the bridge with its namespace
+            subprocess.run(["ip", "netns", "del", self.made.pop()], capture_output=True)
+
+    def run(self, fn, *args):
+        """memory_table.run_on_ranks on the nodes: rank r in node r, rank 0's store on a new
+        port; the results in rank order."""
+        ctx = mp.get_context("spawn")
+        results, port = ctx.Queue(), next(self.ports)  # queues are pipes: they work across namespaces
+        procs = [ctx.Process(target=_node_rank_main, args=(r, self.names, self.addrs[0], port, fn, args, results))
+                 for r in range(len(self.names))]
+        for proc in procs:
+            proc.start()
+        out = {}
+        for _ in procs:
+            rank, ok, value = results.get()
+            if not ok:  # the other ranks may wait forever in a collective this one left
+                for proc in procs:
+                    proc.kill()
+                raise RuntimeError(f"rank {rank} of {len(procs)} failed:\n{value}")
+            out[rank] = value
+        for proc in procs:
+            proc.join()
+        return [out[r] for r in range(len(procs))]
+
+
+def _node_rank_main(rank, names, master, port, fn, args, results):
+    """A rank on node `rank`: move into its namespace (before any socket; threads started after
+    this inherit it), then memory_table._rank_main's gloo setup, over the node's veth."""
+    try:
+        fd = os.open(f"/var/run/netns/{names[rank]}", os.O_RDONLY)
+        try:
+            if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:  # Python 3.11 has no os.setns
+                raise OSError(ctypes.get_errno(), f"setns into {names[rank]}: {os.strerror(ctypes.get_errno())}")
+        finally:
+            os.close(fd)
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                          WORLD_SIZE=str(len(names)), GLOO_SOCKET_IFNAME=f"veth{rank}")
+        dist.init_process_group("gloo")
+        results.put((rank, True, fn(*args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def emulated_nodes(args):
+    """The nodes for --nodes (None without it), deleted on the way out: on return, an error,
+    Ctrl-C, SIGTERM or SIGHUP (made to raise SystemExit here)."""
+    if not args.nodes:
+        yield None
+        return
+    problem = nodes_problem()
+    if problem:
+        sys.exit(f"{NEEDS} ({problem})")
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            handlers[sig] = signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+    nodes = None
+    try:
+        try:
+            nodes = Nodes(args.nodes, args.link)
+        except RuntimeError as e:
+            sys.exit(f"cannot make {args.nodes} emulated nodes: {e}")
+        yield nodes
+    finally:
+        if nodes is not None:
+            nodes.remove()
+            atexit.unregister(nodes.remove)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 # ---------------------------------------------------------------------------
@@ -288,13 +464,17 @@ def table(rows, args, psi, notes):
               "peak: the largest of 3 samples (after forward, backward, step)",
               "sent: bytes handed to torch.distributed per step (ring algorithms; a broadcast (Nd-1)/Nd of it per rank); Section 7: (Nd-1)/Nd x 2Ψ x 4 B, "
               "3Ψ for P_os+g+p, FSDP2 and ZeroRedundancyOptimizer (all-reduce + broadcast); all per rank, worst rank"]
+    if args.nodes:
+        legend.insert(1, f"network: {args.nodes} emulated nodes, each link capped at {args.link} each way (tc tbf), "
+                         f"gloo over veth + bridge; the nodes share this machine's {os.cpu_count()} cores")
     return tabulate(lines, headers, disable_numparse=True) + "\n" + "\n".join(legend + notes)
 
 
-def drive(args, launch):
-    """Start every system and the clock, run the rounds and the probes: (times, vs_clock, results)."""
+def drive(args, launch, nodes):
+    """Start every system and the clock (on the emulated nodes, if any), run the rounds and the
+    probes: (times, vs_clock, results)."""
     t0 = time.perf_counter()
-    servers = {s: Server(s, args) for s in args.systems}  # all start (and warm up) at once
+    servers = {s: Server(s, args, nodes) for s in args.systems}  # all start (and warm up) at once
     for server in servers.values():
         server.replies()  # "ready"
     print(f"launch {launch + 1}/{args.launches}: {len(servers)} systems x {args.world} ranks started and warmed up "
@@ -305,7 +485,7 @@ def drive(args, launch):
     # against the clock, an A/A test: its spread is the noise floor.
     times = {s: [] for s in args.systems}  # per round: rank 0's ms per step in its turn
     vs_clock = {s: [] for s in args.systems}
-    clock = servers["clock"] = Server("ddp", args)
+    clock = servers["clock"] = Server("ddp", args, nodes)
     clock.replies()
     for repeat in range(args.repeats):
         first = (launch * args.repeats + repeat) % len(args.systems)
@@ -337,18 +517,19 @@ def main(argv=None):
     # 0.91 to 1.05 from one launch to the next), so the rounds of several launches are pooled.
     times, vs_clock = {s: [] for s in args.systems}, {s: [] for s in args.systems}
     per_launch, launch_results = {s: [] for s in args.systems}, []
-    for launch in range(args.launches):
-        try:
-            t, v, results = drive(args, launch)
-        except BaseException:
-            for p in mp.active_children():  # ranks left waiting for orders would keep this process alive
-                p.kill()
-            raise
-        for s in args.systems:
-            times[s] += t[s]
-            vs_clock[s] += v[s]
-            per_launch[s].append(statistics.median(v[s]))
-        launch_results.append(results)
+    with emulated_nodes(args) as nodes:  # --nodes: made here, deleted on the way out, whatever happens
+        for launch in range(args.launches):
+            try:
+                t, v, results = drive(args, launch, nodes)
+            except BaseException:
+                for p in mp.active_children():  # ranks left waiting for orders would keep this process alive
+                    p.kill()
+                raise
+            for s in args.systems:
+                times[s] += t[s]
+                vs_clock[s] += v[s]
+                per_launch[s].append(statistics.median(v[s]))
+            launch_results.append(results)
     # bytes and loss from the first launch's probes; every launch ran the same steps on the same data
     rows = {s: summarize(s, times[s], vs_clock[s], launch_results[0][s], args, psi) for s in args.systems}
     notes = []

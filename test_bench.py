@@ -1,7 +1,11 @@
-"""bench.py end to end on the tiny GPT: two systems in their own process groups, one turn each.
+"""bench.py end to end on the tiny GPT: two systems in their own process groups, one turn each;
+then the same on two emulated nodes (bench.py --nodes, as root with iproute2).
 
     python -m pytest test_bench.py
 """
+import os
+import subprocess
+
 import pytest
 
 import bench
@@ -25,3 +29,18 @@ def test_bench_ddp_and_zero3_share_the_loss_and_meet_sections_5_and_7_at_world_2
     # sends 3 x (Nd-1)/Nd x 4Ψ (two gathers and a reduce-scatter), plus a flag all-reduce of a few bytes
     assert ddp["sent"] == pytest.approx(2 * (nd - 1) / nd * 4 * psi, rel=1e-9)
     assert zero3["sent"] == pytest.approx(3 * (nd - 1) / nd * 4 * psi, rel=1e-3)
+
+
+@pytest.mark.slow  # three spawned process groups (ddp, zero3, the clock) on two emulated nodes
+def test_bench_on_two_emulated_nodes_gives_one_loss_and_leaves_no_namespace_behind():
+    problem = bench.nodes_problem()  # not root, no iproute2, or namespaces not permitted here
+    if problem:
+        pytest.skip(f"{bench.NEEDS} ({problem})")
+    rows = bench.main(["--nodes", "2", "--link", "1gbit", "--model", "tiny", "--batch_size", "2", "--seq_len", "32",
+                       "--steps", "1", "--warmup", "0", "--repeats", "1", "--launches", "1",
+                       "--systems", "ddp", "zero3", "--json"])
+    ddp, zero3 = rows["ddp"], rows["zero3"]
+    assert ddp["loss_per_launch"] == zero3["loss_per_launch"] == [ddp["loss"]]  # world 2: the same bits
+    # every namespace bench.main made (named zb<its pid>-...) is gone, and with them their links
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert f"zb{os.getpid()}-" not in left
