@@ -373,8 +373,8 @@ class ZeroOptimizer:
         (norm + 1e-6)). torch takes each norm over the whole tensor, in an order that depends on
         its length, so a parameter whose gradient is split over ranks is first sent whole to one
         rank (its "norm rank", chosen to balance the bytes): per step each rank sends about
-        (Nd-1)/Nd x Ψ/Nd elements, in rounds of at most bucket_numel (a larger parameter alone).
-        Returns the total norm."""
+        (Nd-1)/Nd x Ψ/Nd elements, in rounds of at most one bucket, and a norm rank holds one
+        parameter's whole gradient at a time. Returns the total norm."""
         grads, used = self._grads(), self.gradients.used_anywhere
         norms = torch.zeros(self.n_trainable, dtype=grads.dtype, device=grads.device)
         if self.own_numel == self.partition.padded_numel:  # every gradient is whole here (stage 0, Nd 1)
@@ -382,61 +382,62 @@ class ZeroOptimizer:
                 a = self.partition.offsets[i]
                 norms[i] = torch.linalg.vector_norm(grads[a:a + self.partition.params[i].numel()], norm_type)
         else:
+            wholes = {}  # parameter index -> its whole gradient, filled round by round
             for rnd in self._norm_plan():
-                self._norms_of_round(rnd, grads, norms, norm_type)
+                self._norms_of_round(rnd, grads, norms, wholes, norm_type)
             dist.all_reduce(norms, group=self.partition.group)  # (n_trainable,): each found on one rank, zeros elsewhere
         total = torch.linalg.vector_norm(torch.stack([norms[i] for i in range(self.n_trainable) if used[i]]), norm_type)
         grads.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
     def _norm_plan(self):
-        """Rounds of (parameter index, norm rank, [(owner, flat start, flat end)] in flat order);
-        made on the first clip (a simulation at the paper's scale never clips)."""
+        """Rounds of (parameter index, its norm rank, (bucket, owner, flat start, flat end)): every
+        segment of each trainable parameter, in flat order, at most a bucket's elements a round.
+        Made on the first clip (a simulation at the paper's scale never clips)."""
         if self.norm_plan is None:
-            part, load, plan, rnd, size = self.partition, [0] * self.partition.nd, [], [], 0
+            part, load, rounds, rnd, size = self.partition, [0] * self.partition.nd, [], [], 0
             for i in range(self.n_trainable):
-                segments = [(j, max(lo, c.start), min(hi, c.stop)) for k in part.buckets_of[i]
+                segments = [(k, j, max(lo, c.start), min(hi, c.stop)) for k in part.buckets_of[i]
                             for bi, lo, hi in part.buckets[k].segments if bi == i
-                            for j, c in enumerate(part.chunk(k, j) for j in range(part.nd))
-                            if max(lo, c.start) < min(hi, c.stop)]
-                owners = {j for j, lo, hi in segments}
+                            for j, c in ((j, part.chunk(k, j)) for j in range(part.nd)) if max(lo, c.start) < min(hi, c.stop)]
+                owners = {j for k, j, lo, hi in segments}
                 rank = owners.pop() if len(owners) == 1 else min(range(part.nd), key=lambda j: (load[j], j))
                 load[rank] += part.params[i].numel()
-                if rnd and size + part.params[i].numel() > part.buckets[0].chunk * part.nd:
-                    plan.append(rnd)
-                    rnd, size = [], 0
-                rnd.append((i, rank, segments))
-                size += part.params[i].numel()
-            self.norm_plan = plan + [rnd]
+                for segment in segments:
+                    if rnd and size + segment[3] - segment[2] > part.buckets[0].chunk * part.nd:
+                        rounds.append(rnd)
+                        rnd, size = [], 0
+                    rnd.append((i, rank, segment))
+                    size += segment[3] - segment[2]
+            self.norm_plan = rounds + [rnd]
         return self.norm_plan
 
-    def _norms_of_round(self, rnd, grads, norms, norm_type):
+    def _norms_of_round(self, rnd, grads, norms, wholes, norm_type):
         part, me = self.partition, self.partition.rank
-        mine = collections.defaultdict(list)  # parameter index -> my pieces' gradients, flat order
-        for p in self.pieces:
-            mine[p.index].append(grads[p.own])
-        # all-to-all: my pieces of each parameter to its norm rank -> its whole gradient there
-        send = [[g for i, rank, s in rnd if rank == j for g in mine[i]] for j in range(part.nd)]
-        recv_splits = [sum(hi - lo for i, rank, segs in rnd if rank == me for o, lo, hi in segs if o == j)
-                       for j in range(part.nd)]
+        send, recv_splits = [[] for _ in range(part.nd)], [0] * part.nd
+        for i, rank, (k, owner, lo, hi) in rnd:
+            if owner == me:  # my segment, from my own space
+                at = part.buckets[k].own + lo - part.chunk(k).start
+                send[rank].append(grads[at:at + hi - lo])
+            if rank == me:
+                recv_splits[owner] += hi - lo
         send_buf = torch.cat([g for gs in send for g in gs]) if any(send) else grads.new_empty(0)
-        if any(len({o for o, lo, hi in segs}) > 1 for i, rank, segs in rnd):
+        if any(owner != rank for i, rank, (k, owner, lo, hi) in rnd):
+            # all-to-all: each segment to its parameter's norm rank -> (Σ recv_splits,) there, by source rank
             received = grads.new_empty(sum(recv_splits))
             dist.all_to_all_single(received, send_buf, recv_splits, [sum(g.numel() for g in gs) for gs in send],
                                    group=part.group)
-        else:  # every parameter of the round is whole on one rank: nothing to send
+        else:  # every segment is on its norm rank already
             received = send_buf
-        starts = [sum(recv_splits[:j]) for j in range(part.nd)]  # where rank j's block begins
-        for i, rank, segs in rnd:
-            if rank != me or not self.gradients.used_anywhere[i]:
-                for o, lo, hi in segs if rank == me else ():
-                    starts[o] += hi - lo
-                continue
-            whole, a = grads.new_empty(part.params[i].numel()), part.offsets[i]
-            for o, lo, hi in segs:
-                whole[lo - a:hi - a] = received[starts[o]:starts[o] + hi - lo]
-                starts[o] += hi - lo
-            norms[i] = torch.linalg.vector_norm(whole, norm_type)
+        starts = [sum(recv_splits[:j]) for j in range(part.nd)]  # where rank j's segments begin
+        for i, rank, (k, owner, lo, hi) in rnd:
+            if rank == me:
+                a, numel = part.offsets[i], part.params[i].numel()
+                whole = wholes.setdefault(i, grads.new_empty(numel))
+                whole[lo - a:hi - a] = received[starts[owner]:starts[owner] + hi - lo]
+                starts[owner] += hi - lo
+                if hi == a + numel:  # its last segment
+                    norms[i] = torch.linalg.vector_norm(wholes.pop(i), norm_type)
 
     def step(self):
         """Update this rank's part and make the parameters whole again. Returns False when fp16
