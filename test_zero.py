@@ -139,13 +139,13 @@ def compare(where, got, want):
     return []
 
 
-def on_rank_match_ddp(stage, opt_name, bucket_numel):
+def on_rank_match_ddp(stage, opt_name, bucket_numel, reduction="exact"):
     symmetric = stage == 3
     reference = ddp_reference(opt_name, symmetric)
     model = make_model()
     cls, kw = OPTIMIZERS[opt_name]
     model, opt = zero.initialize(model, cls, stage=stage, param_groups=param_groups(model),
-                                 bucket_numel=bucket_numel, **kw)
+                                 bucket_numel=bucket_numel, reduction=reduction, **kw)
     mismatches = []
     for step, (ref_loss, ref_state, ref_optim) in enumerate(reference):
         x, y = batch(step)
@@ -178,6 +178,64 @@ def test_stage_matches_ddp_bitwise(world, stage, opt_name, nd):
 def test_bucket_size_does_not_change_bits(world, stage, bucket_numel):
     """From one element per bucket to one bucket larger than the model: same bits as DDP."""
     assert world(3).run(on_rank_match_ddp, stage, "adamw", bucket_numel) == [[]] * 3
+
+
+# -----------------------------------------------------------------------------------------
+# reduction="native": the backend's reduce-scatter. At world size 2 every order of summation
+# gives the same bits (a + b = b + a), so there it must equal DDP exactly; from 3 ranks on it
+# sums in the backend's order, bounded below.
+# -----------------------------------------------------------------------------------------
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_native_reduction_matches_ddp_bitwise_at_world_2(world, stage):
+    assert world(2).run(on_rank_match_ddp, stage, "adamw", 64, "native") == [[], []]
+
+
+def on_rank_native_against_exact(stage):
+    """One backward with each reduction: {reduction: (the averaged gradient by name, model-state
+    bytes, elements sent)}, and this rank's own gradient by name (the terms of the sum)."""
+    from memory_table import CommCounter
+    out = {}
+    for reduction in ("exact", "native"):
+        model, opt = zero.initialize(make_model(), torch.optim.SGD, stage=stage, bucket_numel=64,
+                                     reduction=reduction, lr=0.1)
+        x, y = batch(0)
+        with CommCounter() as counter:
+            F.cross_entropy(model(x, True, True).view(-1, VOCAB), y.view(-1)).backward()
+            grads = opt._grads()
+        flat, part = opt._to_flat(grads), opt.partition  # the whole averaged gradient, flat layout
+        names = {p: n for n, p in model.named_parameters()}
+        out[reduction] = ({names[p]: flat[a:a + p.numel()].view(p.shape) for p, a in zip(part.params, part.offsets)
+                           if p.requires_grad}, zero.model_state_bytes(model), sum(counter.sent.values()))
+    model = make_model()
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    x, y = batch(0)
+    F.cross_entropy(model(x, True, True).view(-1, VOCAB), y.view(-1)).backward()
+    return out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.xdist_group("world4")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_native_reduction_is_within_the_summation_error_bound_at_world_4(world, stage):
+    """The same bytes and the same traffic as the exact path, and gradients within the bound any
+    two orders of summation share: each sum of Nd terms is within (Nd-1) u Σ|g_j| of the true
+    sum (u = 2^-24 in fp32), so the two differ by at most 2 (Nd-1) u Σ|g_j| / Nd (dividing by
+    Nd = 4 is exact). A tolerance, not torch.equal: gloo's reduce-scatter adds in its own order."""
+    nd, u = 4, 2.0**-24
+    results = world(nd).run(on_rank_native_against_exact, stage)
+    terms = [local for out, local in results]
+    differ = 0
+    for out, local in results:
+        (exact, exact_bytes, exact_sent), (native, native_bytes, native_sent) = out["exact"], out["native"]
+        assert exact_bytes == native_bytes and exact_sent == native_sent, (exact_bytes, native_bytes, exact_sent,
+                                                                           native_sent)
+        for name, a in exact.items():
+            bound = 2 * (nd - 1) * u * sum(t[name].abs() for t in terms) / nd
+            assert ((a - native[name]).abs() <= bound).all(), (name, (a - native[name]).abs().max().item())
+            differ += (a != native[name]).sum().item()
+    print(f"stage {stage}: {differ} elements differ between the exact and native reductions "
+          f"(over {nd} ranks), every one within the bound")
 
 
 # -----------------------------------------------------------------------------------------

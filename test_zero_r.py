@@ -123,13 +123,80 @@ def on_rank_largest_temporary_buffer(stage, width, bucket_numel):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_temporary_communication_buffers_are_bounded_by_the_bucket(world, stage):
     """Two models whose Ψ differ by over 10x, one bucket size: the largest temporary buffer
-    handed to a collective (not a view of the persistent flat buffers) is at most Nd buckets
-    (the all-to-all's receive buffer: one bucket's share from each rank), for both."""
-    bucket_numel, nd = 1000, 2
+    handed to a collective (not a view of the persistent flat buffers) is at most one bucket
+    (the all-to-all's receive buffer: every rank's copy of my chunk), for both."""
+    bucket_numel = 1000
     small, psi_small = world(2).run(on_rank_largest_temporary_buffer, stage, 16, bucket_numel)[0]
     large, psi_large = world(2).run(on_rank_largest_temporary_buffer, stage, 64, bucket_numel)[0]
     assert psi_large > 10 * psi_small > 10 * bucket_numel
-    assert small <= nd * bucket_numel and large <= nd * bucket_numel, (small, large)
+    assert small <= bucket_numel and large <= bucket_numel, (small, large)
+
+
+# -----------------------------------------------------------------------------------------
+# C_B at any Nd: zero.py's own code as ranks 0, 32 and 63 of a fake world of 64 (torch's
+# `fake` process group: collectives take their tensors and move no data). The bucket is
+# smaller than a rank's shard, so a design where a bucket lies inside one rank's shard would
+# have that rank receive Nd copies of it.
+# -----------------------------------------------------------------------------------------
+COLLECTIVES = ("all_to_all_single", "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+               "reduce_scatter_tensor", "broadcast", "all_reduce", "all_gather", "reduce_scatter", "reduce")
+
+
+def collectives_at_scale(stage, rank, nd=64, bucket_numel=256, reduction="exact"):
+    """[(collective, [numel of each tensor handed to it], numel of what it receives)] in two
+    training steps (with clipping) of a 33K-parameter MLP, as `rank` of a fake world of nd."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=nd)
+    calls, real = [], {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def wrap(name):
+        def recorded(*args, **kwargs):
+            tensors = [t for a in list(args) + list(kwargs.values())
+                       for t in (a if isinstance(a, list) else [a]) if torch.is_tensor(t)]
+            received = tensors[0].numel() if name in ("all_to_all_single", "reduce_scatter_single",
+                                                      "reduce_scatter_tensor") else 0
+            calls.append((name, [t.numel() for t in tensors], received))
+            return real[name](*args, **kwargs)
+        return recorded
+
+    try:
+        torch.manual_seed(0)
+        mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        model, opt = zero.initialize(mlp, torch.optim.AdamW, stage=stage, bucket_numel=bucket_numel,
+                                     reduction=reduction, lr=1e-3)
+        for name in COLLECTIVES:
+            setattr(dist, name, wrap(name))
+        for step in range(2):
+            F.mse_loss(model(torch.randn(4, 64)), torch.randn(4, 64)).backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        return calls, sum(p.numel() for p in mlp.parameters())
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("reduction", ["exact", "native"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_no_collective_grows_with_nd_at_world_64(stage, reduction):
+    """At Nd 64, as ranks 0, 32 and 63: every tensor zero.py hands a collective (send and
+    receive buffers alike, and views of the parameters' own storage) is at most 2 x bucket_numel
+    elements, no reduction gives a rank more than that to receive, and no gather is a
+    broadcast (one per owner); training ran all three collectives ZeRO-DP needs."""
+    bucket_numel, nd = 256, 64
+    for rank in (0, 32, 63):
+        calls, psi = collectives_at_scale(stage, rank, nd, bucket_numel, reduction)
+        assert math.ceil(psi / nd) > bucket_numel, "the bucket must be smaller than a shard"
+        largest = max(n for name, sizes, received in calls for n in sizes)
+        most_received = max(received for name, sizes, received in calls)
+        used = {name for name, sizes, received in calls}
+        print(f"stage {stage} {reduction} rank {rank}: {len(calls)} collectives, largest tensor {largest} "
+              f"elements, most received {most_received}, bucket {bucket_numel}, {sorted(used)}")
+        assert largest <= 2 * bucket_numel and most_received <= 2 * bucket_numel, (largest, most_received)
+        assert "broadcast" not in used, used
+        assert {"all_gather_single", "all_to_all_single" if reduction == "exact" else "reduce_scatter_single"} <= used
 
 
 # -----------------------------------------------------------------------------------------

@@ -292,7 +292,7 @@ class FlatPartition:
 @dataclass
 class Piece:
     index: int  # the parameter's index in the partition
-    flat: slice  # where it lies in the flat space
+    flat: slice  # where it lies in the flat space (None: it does not lie in one stretch there)
     own: slice  # where it lies in this rank's own space
 
 
@@ -306,12 +306,22 @@ class ZeroOptimizer:
         self.owned, self.precision = owned, precision  # owned: per bucket, (flat slice, own slice)
         self.own_numel = sum(o.stop - o.start for f, o in owned)
         self.n_trainable = sum(p.requires_grad for p in partition.params)
+        # A parameter's pieces in consecutive buckets lie end to end in the own space: where the
+        # optimizer's tensors are own-space ones (a master copy, stage 3's shard) they are one piece.
+        merge = precision.master_dtype is not None or parameters.in_own_space
         self.pieces = []
         for (f, o), b in zip(owned, partition.buckets):
             for i, lo, hi in b.segments if b.trainable else ():
                 lo, hi = max(lo, f.start), min(hi, f.stop)
-                if lo < hi:
-                    self.pieces.append(Piece(i, slice(lo, hi), slice(o.start + lo - f.start, o.start + hi - f.start)))
+                own = slice(o.start + lo - f.start, o.start + hi - f.start)
+                last = self.pieces[-1] if self.pieces else None
+                if lo >= hi:
+                    continue
+                if last and last.index == i and last.own.stop == own.start and (merge or last.flat.stop == lo):
+                    flat = slice(last.flat.start, hi) if last.flat and last.flat.stop == lo else None
+                    self.pieces[-1] = Piece(i, flat, slice(last.own.start, own.stop))
+                else:
+                    self.pieces.append(Piece(i, slice(lo, hi), own))
         # Every rank starts from rank 0's weights: the parameters take them bucket by bucket,
         # the fp32 master its owned ranges (from the full-precision values, before any cast).
         device = partition.params[0].device
@@ -452,8 +462,7 @@ class ZeroOptimizer:
             w.grad = grads[piece.own] if self.gradients.used_anywhere[piece.index] else None
         self.optim.step()
         if self.master is not None:  # fp32 master -> the 16-bit parameters
-            for f, o in self.owned:
-                self.parameters.owned_view(f, o).copy_(self.master[o])
+            self.parameters.copy_owned(self.owned, self.master)
         self.parameters.after_step()
         return True
 
@@ -716,8 +725,15 @@ class FlatParameters:
     def view(self, piece):
         return self.flat[piece.flat]
 
-    def owned_view(self, flat, own):
-        return self.flat[flat]
+    in_own_space = False  # view(piece) indexes the flat space
+
+    def copy_owned(self, owned, source):
+        """The owned ranges of the parameters from `source`, an own-space tensor."""
+        if source.numel() == self.flat.numel():  # stage 0: the own space is the flat space
+            self.flat.copy_(source)
+            return
+        for f, o in owned:
+            self.flat[f].copy_(source[o])
 
     def after_step(self):
         if self.gather_after_step:  # each rank's updated chunk to every rank: Ψ per rank (Section 7.2.1)
@@ -817,8 +833,10 @@ class ShardedParameters:
     def view(self, piece):
         return self.shard[piece.own]
 
-    def owned_view(self, flat, own):
-        return self.shard[own]
+    in_own_space = True  # view(piece) indexes the shard
+
+    def copy_owned(self, owned, source):
+        self.shard.copy_(source)
 
     def after_step(self):
         pass  # nothing to gather now: the next forward gathers what it uses
