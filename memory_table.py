@@ -197,54 +197,75 @@ def formula_section(args):
 SIMULATED = [("7.5b", "7.5B", 64), ("128b", "128B", 256), ("1t", "1T", 1024)]
 
 
-def simulate(preset, nd, stage):
-    """Per-rank model-state bytes of zero.py at `stage` for a meta GPT on a fake world of nd."""
+def simulate(preset, nd, stage, rank=0):
+    """zero.py at `stage` for a meta GPT, as `rank` of a fake world of nd, default buckets:
+    (Ψ, model-state bytes after backward, the CommCounter of one training step)."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     import zero
     from gpt import GPT, PRESETS
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=nd)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=nd)
     before = zero.live_tensor_bytes("meta")  # what an earlier simulation may have left, not yet collected
     try:
         module = GPT(PRESETS[preset], device="meta")
         psi = sum(p.numel() for p in module.parameters())
-        # Before: 2**28-element buckets, and 1T at Nd 1024 took 320 s a stage (each bucket's
-        # rank-order fold is Nd meta adds). Now 2**32: meta buckets hold no bytes, 14 s a stage.
         model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=stage, param_dtype=torch.bfloat16,
-                                           bucket_numel=2**32, stage3_units=module.h, lr=1e-4)
+                                           stage3_units=module.h, lr=1e-4)
         idx = torch.zeros(1, 8, dtype=torch.long, device="meta")
-        optimizer.backward(model(idx, idx)[1])
+        optimizer.backward(model(idx, idx)[1])  # stage 3 learns the units' order
         optimizer.step()  # the optimizer states exist from here on
         optimizer.zero_grad()
-        optimizer.backward(model(idx, idx)[1])  # after backward, as in the paper's accounting
-        measured = zero.live_tensor_bytes("meta") - before - idx.numel() * idx.element_size()
+        persistent = [t.untyped_storage()._cdata for t in optimizer.parameters.storages() +
+                      optimizer.gradients.storages()]
+        with CommCounter(persistent) as comm:  # one training step
+            optimizer.backward(model(idx, idx)[1])
+            measured = zero.live_tensor_bytes("meta") - before - idx.numel() * idx.element_size()  # after backward
+            optimizer.step()
         del model, optimizer, module
-        return psi, measured
+        return psi, measured, comm
     finally:
         dist.destroy_process_group()
 
 
 def simulate_section(args):
-    rows = []
+    import zero
+    rows, comm_rows = [], []
     for preset, paper_model, nd in [m for m in SIMULATED if m[0] in args.sizes]:
         for stage in (1, 2, 3):
             t0 = time.perf_counter()
-            psi, measured = simulate(preset, nd, stage)
-            formula = model_state_bytes(psi, nd, stage)
-            rows.append(dict(model=preset, psi=psi, nd=nd, stage=stage, name=STAGES[stage], measured_gb=measured / GB,
-                             formula_gb=formula / GB, ratio=measured / formula,
-                             published_gb=TABLE1_PUBLISHED[paper_model][nd][stage - 1],
-                             seconds=time.perf_counter() - t0))
+            for rank in (0, nd - 1):
+                psi, measured, comm = simulate(preset, nd, stage, rank)
+                comm_rows.append(dict(model=preset, psi=psi, nd=nd, stage=stage, name=STAGES[stage], rank=rank,
+                                      largest_temporary_bytes=comm.largest, bucket_numel=zero.DEFAULT_BUCKET_NUMEL,
+                                      sent=float(sum(comm.sent.values())), received=float(sum(comm.received.values()))))
+                if rank == 0:
+                    formula = model_state_bytes(psi, nd, stage)
+                    rows.append(dict(model=preset, psi=psi, nd=nd, stage=stage, name=STAGES[stage],
+                                     measured_gb=measured / GB, formula_gb=formula / GB, ratio=measured / formula,
+                                     published_gb=TABLE1_PUBLISHED[paper_model][nd][stage - 1]))
+            rows[-1]["seconds"] = time.perf_counter() - t0
     table = [[r["model"], f"{r['psi'] / 1e9:.2f}B", r["nd"], r["name"], f"{r['measured_gb']:.4f}",
               f"{r['formula_gb']:.4f}", f"{r['ratio']:.5f}", r["published_gb"], f"{r['seconds']:.1f}"] for r in rows]
-    headers = ["model", "Ψ", "Nd", "stage", "measured GB/rank", "formula GB", "ratio", "Table 1 (Ψ rounded)", "s"]
+    headers = ["model", "Ψ", "Nd", "stage", "measured GB/rank", "formula GB", "ratio", "Table 1 (Ψ rounded)", "s (2 ranks)"]
     text = (tabulate(table, headers, disable_numparse=True) +
             "\nmeasured: bytes of the meta tensors alive after backward on rank 0 of a fake world of Nd ranks,\n"
             "zero.py's real partitioning (bf16 parameters and gradients, fp32 master + Adam: K = 12); formula:\n"
             "Section 5 for gpt.py's exact Ψ; Table 1's cell is for the paper's round Ψ.")
+    table = [[r["model"], r["nd"], r["name"], r["rank"], f"{r['largest_temporary_bytes'] / 2**20:.0f}",
+              f"{r['largest_temporary_bytes'] / 2 / r['bucket_numel']:.2f}", f"{r['sent'] / r['psi']:.4f}",
+              f"{r['received'] / r['psi']:.4f}"] for r in comm_rows]
+    headers = ["model", "Nd", "stage", "rank", "largest temporary MiB", "in buckets", "sent / Ψ", "received / Ψ"]
+    comm_text = (tabulate(table, headers, disable_numparse=True) +
+                 f"\none training step of the same runs, as rank 0 and as rank Nd-1, buckets of {zero.DEFAULT_BUCKET_NUMEL:,}"
+                 " elements\n(the default). largest temporary: the largest tensor handed to a collective that is not\n"
+                 "the parameters' or gradients' own storage, in MiB and in bf16 buckets; sent and received: elements\n"
+                 "per step (all_to_all: what goes to and comes from the other ranks; the others: the ring convention).\n"
+                 "Section 7: 2 x (Nd-1)/Nd Ψ at stages 1-2 and 3 x (Nd-1)/Nd Ψ at stage 3, the same on every rank.")
     return {"simulate": dict(heading="Simulated at the paper's scale: zero.py on meta models in a fake world",
-                             rows=rows, text=text)}
+                             rows=rows, text=text),
+            "simulate_comm": dict(heading="Communication at the paper's scale: the same simulated step, per rank",
+                                  rows=comm_rows, text=comm_text)}
 
 
 # ---------------------------------------------------------------------------
@@ -396,8 +417,11 @@ def each_on_rank(fn, configs):
 
 class CommCounter:
     """with CommCounter() as c: ... -> c.sent[(phase, collective)]: elements this rank sends under
-    the convention above (Fractions), c.bytes[...] the same in bytes. Wraps dist.<name> for every
-    name in SENT; torch's own nested calls go to distributed_c10d, so none is counted twice."""
+    the convention above (Fractions), c.bytes[...] the same in bytes, c.received[...] the elements
+    it receives (what it sends, but for all_to_all: what the others send it); c.largest: bytes of
+    the largest tensor handed to any collective whose storage is not in `persistent` (storage
+    ids: the temporaries). Wraps dist.<name> for every name in SENT; torch's own nested calls go
+    to distributed_c10d, so none is counted twice."""
     SENT = {  # collective: (its tensor argument, elements sent by rank r of n for a tensor t)
         "all_to_all_single": ("input", lambda a, t, n, r: sum(a["input_split_sizes"]) - a["input_split_sizes"][r]
                               if a["input_split_sizes"] else Fraction(n - 1, n) * t.numel()),
@@ -409,11 +433,13 @@ class CommCounter:
         "all_reduce": ("tensor", lambda a, t, n, r: Fraction(2 * (n - 1), n) * t.numel()),
     }
 
-    def __init__(self):
+    def __init__(self, persistent=()):
         self.phase, self.sent, self.bytes, self.saved = "", collections.Counter(), collections.Counter(), {}
+        self.received, self.largest, self.persistent = collections.Counter(), 0, set(persistent)
 
     def _counted(self, name, fn):
         import inspect
+        import torch
         import torch.distributed as dist
         signature, (arg, elements) = inspect.signature(fn), self.SENT[name]
 
@@ -421,9 +447,16 @@ class CommCounter:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             a, group = bound.arguments, bound.arguments["group"]
-            sent = elements(a, a[arg], dist.get_world_size(group), dist.get_rank(group))
+            n, r = dist.get_world_size(group), dist.get_rank(group)
+            sent = elements(a, a[arg], n, r)
             self.sent[(self.phase, name)] += sent
             self.bytes[(self.phase, name)] += sent * a[arg].element_size()
+            splits = a.get("output_split_sizes")
+            self.received[(self.phase, name)] += (sent if name != "all_to_all_single" else sum(splits) - splits[r]
+                                                  if splits else Fraction(n - 1, n) * a["output"].numel())
+            for t in a.values():
+                if torch.is_tensor(t) and t.untyped_storage()._cdata not in self.persistent:
+                    self.largest = max(self.largest, t.numel() * t.element_size())
             return fn(*args, **kwargs)
         return call
 

@@ -848,7 +848,7 @@ class ShardedParameters:
         return self.partition.to_flat(self.shard)
 
     def storages(self):
-        return [self.shard]
+        return [self.shard] + self.buffers
 
     @staticmethod
     def _free(buf):
