@@ -397,6 +397,42 @@ def test_model_state_bytes_match_paper_formula(world, stage, nd):
 
 
 # -----------------------------------------------------------------------------------------
+# Nothing leaks: dropping the model and the optimizer frees everything zero.initialize made,
+# as with a plain module and torch.optim.AdamW
+# -----------------------------------------------------------------------------------------
+def on_rank_dropped_model_is_freed(stage):
+    import weakref
+    before = live_storages()
+    baseline = sum(s.nbytes() for s in before.values())
+    results = {}
+    for system in ("torch", "zero"):
+        torch.manual_seed(0)
+        mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+        if system == "zero":
+            model, opt = zero.initialize(mlp, torch.optim.AdamW, stage=stage, bucket_numel=500, lr=1e-3)
+        else:
+            model, opt = mlp, torch.optim.AdamW(mlp.parameters(), lr=1e-3)
+        for step in range(2):
+            F.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 16)).backward()
+            opt.step()
+            opt.zero_grad()
+        alive = weakref.ref(model)
+        del mlp, model, opt
+        after = live_storages()
+        results[system] = (alive() is None, sum(s.nbytes() for k, s in after.items() if k not in before))
+        del after
+    return results
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_dropping_the_model_and_optimizer_frees_everything(world, stage):
+    for results in world(2).run(on_rank_dropped_model_is_freed, stage):
+        assert results["torch"] == (True, 0), results  # the reference: torch frees it all
+        assert results["zero"] == (True, 0), results
+
+
+# -----------------------------------------------------------------------------------------
 # Bad input: a clear error that names the fix
 # -----------------------------------------------------------------------------------------
 def test_initialize_before_init_process_group_says_how():

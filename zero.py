@@ -29,6 +29,7 @@ import functools
 import gc
 import math
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -183,7 +184,7 @@ class FlatPartition:
         self.params = params
         self.index = {p: i for i, p in enumerate(params)}
         self.offsets = [0] * len(params)  # flat start of each parameter
-        self.buckets, self.buckets_of = [], [[] for _ in params]  # buckets_of: the buckets a parameter lies in
+        self.buckets, self.segments_of = [], [[] for _ in params]  # segments_of[i]: (bucket, flat start, end)
         full = max(1, bucket_numel // self.nd) * self.nd  # a full bucket: a multiple of Nd, no padding
         flat = own = 0
         for run, trainable in runs:
@@ -204,7 +205,7 @@ class FlatPartition:
                         k += 1
                     hi = min(end, self.buckets[k].start + self.buckets[k].numel)
                     self.buckets[k].segments.append((i, a, hi))
-                    self.buckets_of[i].append(k)
+                    self.segments_of[i].append((k, a, hi))
                     a = hi
         self.padded_numel, self.shard_numel = flat, own
 
@@ -407,8 +408,7 @@ class ZeroOptimizer:
         if self.norm_plan is None:
             part, load, rounds, rnd, size = self.partition, [0] * self.partition.nd, [], [], 0
             for i in range(self.n_trainable):
-                segments = [(k, j, max(lo, c.start), min(hi, c.stop)) for k in part.buckets_of[i]
-                            for bi, lo, hi in part.buckets[k].segments if bi == i
+                segments = [(k, j, max(lo, c.start), min(hi, c.stop)) for k, lo, hi in part.segments_of[i]
                             for j, c in ((j, part.chunk(k, j)) for j in range(part.nd)) if max(lo, c.start) < min(hi, c.stop)]
                 owners = {j for k, j, lo, hi in segments}
                 rank = owners.pop() if len(owners) == 1 else min(range(part.nd), key=lambda j: (load[j], j))
@@ -585,8 +585,10 @@ class GradientBuckets:
         self.order = [k for k, b in enumerate(partition.buckets) if b.trainable]  # reduced in reverse
         self.params_in_bucket = [len(b.segments) for b in partition.buckets]
         self.require_scaled_backward, self.scaled_backward = False, False
+        # a parameter holds its hook from C++, where Python's garbage collector cannot see a cycle:
+        # the hook holds this object weakly, so dropping the model and optimizer frees them
         for p in partition.params[:self.n_trainable]:
-            p.register_post_accumulate_grad_hook(self.grad_ready)
+            p.register_post_accumulate_grad_hook(functools.partial(_call_weakly, weakref.WeakMethod(self.grad_ready)))
 
     def storages(self):
         return [t for t in (self.full, self.reduced) if t is not None]
@@ -631,15 +633,12 @@ class GradientBuckets:
         part, i = self.partition, self.partition.index[p]
         self.used[i] = True
         grad, a = p.grad.view(-1), part.offsets[i]
-        for k in part.buckets_of[i]:  # copy into the bucket(s) it falls in
-            b = part.buckets[k]
-            for j, lo, hi in b.segments:
-                if j == i:
-                    self._bucket(k)[lo - b.start:hi - b.start].copy_(grad[lo - a:hi - a])
+        for k, lo, hi in part.segments_of[i]:  # copy into the bucket(s) it falls in
+            start = part.buckets[k].start
+            self._bucket(k)[lo - start:hi - start].copy_(grad[lo - a:hi - a])
+            self.pending[k] -= 1
         p.grad = None  # the full gradient lives on only in the bucket (stages 0-1: the full buffer)
         self.on_grad(p)
-        for k in part.buckets_of[i]:
-            self.pending[k] -= 1
         self._reduce_ready_buckets()
 
     def _reduce_ready_buckets(self):
@@ -661,11 +660,8 @@ class GradientBuckets:
         part = self.partition
         for i in range(self.n_trainable):
             if not self.used[i]:  # unused on this rank: it contributes zeros, as in DDP
-                for k in part.buckets_of[i]:
-                    b = part.buckets[k]
-                    for j, lo, hi in b.segments:
-                        if j == i:
-                            self._bucket(k)[lo - b.start:hi - b.start].zero_()
+                for k, lo, hi in part.segments_of[i]:
+                    self._bucket(k)[lo - part.buckets[k].start:hi - part.buckets[k].start].zero_()
                     self.pending[k] -= 1
         self._reduce_ready_buckets()
         while self.in_reduction:
@@ -693,6 +689,11 @@ class GradientBuckets:
         if self.reduced_at_flat:  # stage 1: the chunks, out of the full gradient
             return torch.cat(self.reduced_chunks)
         return self.reduced
+
+
+def _call_weakly(method, *args):
+    if method() is not None:
+        method()(*args)
 
 
 # -----------------------------------------------------------------------------------------
@@ -797,7 +798,7 @@ class ShardedParameters:
         self.shard = torch.zeros(partition.shard_numel, dtype=dtype, device=partition.params[0].device)
         self.group_of = {p: g for g, members in enumerate(groups) for p in members}
         # a group's buckets are consecutive: its runs were laid out together
-        self.group_buckets = [sorted({k for p in members for k in partition.buckets_of[partition.index[p]]})
+        self.group_buckets = [sorted({k for p in members for k, lo, hi in partition.segments_of[partition.index[p]]})
                               for members in groups]
         self.group_buckets = [range(ks[0], ks[-1] + 1) if ks else range(0) for ks in self.group_buckets]
         self.buffers = [torch.empty(sum(partition.buckets[k].chunk * partition.nd for k in ks), dtype=dtype,
