@@ -423,6 +423,8 @@ class GPT(nn.Module):
                     v, _ = torch.topk(logits, min(top_k, logits.size(-1)))  # (B, k)
                     logits[logits < v[:, [-1]]] = -float("inf")
                 probs = F.softmax(logits, dim=-1)
-                idx_next = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+                # drawn where the generator lives (a CPU generator: the same tokens on CPU and GPU)
+                where = generator.device if generator is not None else probs.device
+                idx_next = torch.multinomial(probs.to(where), num_samples=1, generator=generator).to(idx.device)  # (B, 1)
             idx = torch.cat((idx, idx_next), dim=1)                         # (B, T+1)
         return idx

@@ -370,12 +370,13 @@ class ZeroOptimizer:
         and whether any rank's overflowed. Computed once per step."""
         if self.grads is None:
             grads = self.gradients.own_grads().to(self.precision.master_dtype or self.precision.param_dtype)
-            found_inf = torch.zeros((), device=self.gradients.flag_device)
-            if self.scaler:
+            self.overflow = False
+            if self.scaler:  # (reading the flag waits for the device: only with loss scaling)
                 found_inf = (~grads.isfinite()).any().float()
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.partition.group)  # any rank's
                 grads.div_(self.loss_scale)
-            self.grads, self.overflow = grads, bool(found_inf)
+                self.overflow = bool(found_inf)
+            self.grads = grads
         return self.grads
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
@@ -458,8 +459,9 @@ class ZeroOptimizer:
             self._update_loss_scale()
             if self.overflow:
                 return False
+        used = self.gradients.used_anywhere
         for piece, w in zip(self.pieces, self.weights):
-            w.grad = grads[piece.own] if self.gradients.used_anywhere[piece.index] else None
+            w.grad = grads[piece.own] if used[piece.index] else None
         self.optim.step()
         if self.master is not None:  # fp32 master -> the 16-bit parameters
             self.parameters.copy_owned(self.owned, self.master)
@@ -596,8 +598,17 @@ class GradientBuckets:
     def zero_grad(self):
         for p in self.partition.params:
             p.grad = None
-        self.micro_batches, self.used_anywhere = 0, [False] * self.n_trainable
+        self.micro_batches, self.used_so_far, self.used_flags = 0, [False] * self.n_trainable, []
         self._new_backward()
+
+    @property
+    def used_anywhere(self):
+        """Which parameters some rank used in some backward of this step."""
+        for work, used in self.used_flags:
+            work.wait()
+            self.used_so_far = [u or v for u, v in zip(self.used_so_far, used.bool().tolist())]
+        self.used_flags = []
+        return self.used_so_far
 
     def _new_backward(self):
         self.used = [False] * self.n_trainable  # this rank's gradient arrived, this backward
@@ -668,10 +679,10 @@ class GradientBuckets:
             self._finish_reduction()
         # A parameter unused on every rank in every micro-batch keeps no gradient (the
         # optimizer skips it, as with DDP's find_unused_parameters=True); one used anywhere
-        # gets the average.
+        # gets the average. The flags travel while the next micro-batch runs; the step reads them.
         used = torch.tensor(self.used, dtype=torch.int32, device=self.flag_device)
-        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=part.group)  # (n_trainable,) flags
-        self.used_anywhere = [u or v for u, v in zip(self.used_anywhere, used.bool().tolist())]
+        work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=part.group, async_op=True)  # (n_trainable,)
+        self.used_flags.append((work, used))
         self.on_backward_end()
         self.micro_batches += 1
         self._new_backward()
@@ -705,7 +716,7 @@ def _call_weakly(method, *args):
 # -----------------------------------------------------------------------------------------
 class FlatParameters:
     def __init__(self, partition, module, dtype, gather_after_step):
-        self.partition, self.module, self.gather_after_step = partition, module, gather_after_step
+        self.partition, self.gather_after_step = partition, gather_after_step
         self.flat = torch.zeros(partition.padded_numel, dtype=dtype, device=partition.params[0].device)
         self.in_flight = []  # (flat start, work) of the all-gathers step() left in flight
         if gather_after_step:
@@ -1006,7 +1017,10 @@ class ActivationCheckpointing:
                 # .data: filling slot i must not bump the version the other slots were saved at
                 slot.data.copy_(part, non_blocking=True)
                 return slot
-        return part.to(device, copy=True)  # P_a's own copy, so the whole input can be freed
+        # P_a's own copy, so the whole input can be freed; to the CPU through pinned memory, without
+        # waiting for the copy
+        kept = torch.empty(part.shape, dtype=part.dtype, device=device, pin_memory=self.cpu and part.is_cuda)
+        return kept.copy_(part, non_blocking=True)
 
     def _restore(self, i, part, shape, device):
         self.busy[i] = False
