@@ -397,6 +397,55 @@ def test_model_state_bytes_match_paper_formula(world, stage, nd):
 
 
 # -----------------------------------------------------------------------------------------
+# Stage 3: every rank must run the same modules in the same order. A branch taken by some ranks
+# only is an error on every rank, naming the modules, not a hang or a silent exchange of the
+# wrong parameters; a rank that stops gathering is caught by check_timeout
+# -----------------------------------------------------------------------------------------
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.extra, self.b = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, 1)
+
+    def forward(self, x, take):
+        h = self.a(x)
+        return self.b(self.extra(h) if take else h)
+
+
+def on_rank_branch_taken_by_rank_0_only(gather_at_all=True):
+    import time
+    torch.manual_seed(0)
+    model, opt = zero.initialize(Branchy(), torch.optim.SGD, stage=3, lr=0.1, check_timeout=3)
+    start = time.perf_counter()
+    try:
+        if gather_at_all or dist.get_rank() == 0:
+            model(torch.randn(4, DIM), dist.get_rank() == 0).sum().backward()
+    except RuntimeError as e:
+        return str(e), time.perf_counter() - start
+    return None, time.perf_counter() - start
+
+
+@pytest.mark.parametrize("nd", [pytest.param(nd, marks=pytest.mark.xdist_group(f"world{nd}")) for nd in (2, 3)])
+def test_stage3_branch_on_one_rank_is_an_error_on_every_rank(world, nd):
+    for rank, (message, seconds) in enumerate(world(nd).run(on_rank_branch_taken_by_rank_0_only)):
+        print(f"rank {rank} after {seconds:.2f} s: {message}")
+        assert message is not None and seconds < 3, (rank, message, seconds)
+        assert "ranks gather different modules" in message and "extra" in message and "b" in message, message
+        assert "every rank must run the same modules in the same order" in message, message
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage3_rank_that_stops_gathering_is_caught_by_the_timeout(world):
+    pool = world(2)
+    try:
+        (message, seconds), (other, _) = pool.run(on_rank_branch_taken_by_rank_0_only, False)
+    finally:
+        pool.broken = True  # rank 0's timed-out all-reduce is still pending: start a fresh pool
+    print(f"rank 0 after {seconds:.2f} s: {message}")
+    assert other is None and message is not None and 3 <= seconds < 10, (message, seconds)
+    assert "not every rank reached a gather within 3 s" in message and "a" in message, message
+
+
+# -----------------------------------------------------------------------------------------
 # Nothing leaks: dropping the model and the optimizer frees everything zero.initialize made,
 # as with a plain module and torch.optim.AdamW
 # -----------------------------------------------------------------------------------------

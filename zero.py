@@ -25,6 +25,7 @@ gathered around each module), 6 (ZeRO-R); `initialize` at the end composes the p
 needs. Run the tests with `python -m pytest -n 2 test_zero.py`.
 """
 import collections
+import datetime
 import functools
 import gc
 import math
@@ -804,9 +805,17 @@ def gather_groups(module, units):
 
 
 class ShardedParameters:
-    def __init__(self, partition, module, groups, hooks, shared, dtype, prefetch):
+    def __init__(self, partition, module, groups, hooks, shared, dtype, prefetch, check_timeout):
         self.partition, self.shared, self.prefetch = partition, shared, prefetch
         self.shard = torch.zeros(partition.shard_numel, dtype=dtype, device=partition.params[0].device)
+        names = {m: name or "the root module" for name, m in module.named_modules()}
+        self.names = [None] * len(groups)  # a group's name: the first module that gathers it
+        for m, gids in hooks:
+            for g in gids:
+                self.names[g] = self.names[g] or names[m]
+        device = partition.params[0].device
+        self.flag_device = torch.device("cpu") if device.type == "meta" else device
+        self.check_timeout = datetime.timedelta(seconds=check_timeout)
         self.group_of = {p: g for g, members in enumerate(groups) for p in members}
         # a group's buckets are consecutive: its runs were laid out together
         self.group_buckets = [sorted({k for p in members for k, lo, hi in partition.segments_of[partition.index[p]]})
@@ -876,6 +885,7 @@ class ShardedParameters:
                     work.wait()
             if buf.numel() == 0 or buf.untyped_storage().nbytes() > 0:
                 continue  # gathered already (or on its way)
+            self._check_same_group(g)
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
             start = part.buckets[self.group_buckets[g][0]].start
             # one all-gather per bucket, from every rank's shard into the parameters' own buffer
@@ -887,6 +897,27 @@ class ShardedParameters:
                 for work in works:
                     work.wait()
         return sum(self.buffers[g].numel() for g in gids)
+
+    def _check_same_group(self, g):
+        """Every rank must gather the same group at the same point (the rule of FSDP and DeepSpeed
+        ZeRO-3). Before each gather the ranks compare the group's index (an all-reduce of 2
+        integers, and a wait on it: per step, two per unit): a branch taken by some ranks only is
+        an error here, not a hang or an exchange of the wrong parameters; a rank that stops
+        gathering leaves the others waiting check_timeout seconds, then the same error."""
+        rule = ("every rank must run the same modules in the same order at stage 3: take a branch on "
+                "every rank or on none (or use stage 2, which allows it)")
+        ids = torch.tensor([g, -g], dtype=torch.int64, device=self.flag_device)
+        work = dist.all_reduce(ids, op=dist.ReduceOp.MAX, group=self.partition.group, async_op=True)  # (max, -min)
+        try:
+            work.wait(timeout=self.check_timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"stage 3: rank {self.partition.rank} gathers {self.names[g]}, but not every rank "
+                               f"reached a gather within {self.check_timeout.total_seconds():g} s: {rule}") from e
+        high, low = ids.tolist()
+        if high != -low:
+            raise RuntimeError(f"stage 3: ranks gather different modules at the same point (rank "
+                               f"{self.partition.rank}: {self.names[g]}; others: {self.names[high]} or "
+                               f"{self.names[-low]}): {rule}")
 
     def _finish_prefetch(self):
         for works in self.in_flight.values():
@@ -1049,7 +1080,7 @@ def checkpoint_activations(blocks, tp_group=None, partition=False, cpu=False, co
 # -----------------------------------------------------------------------------------------
 def initialize(module, optimizer_class, stage, group=None, param_groups=None, bucket_numel=DEFAULT_BUCKET_NUMEL,
                param_dtype=None, reduce_dtype=None, loss_scale=None, stage3_units=None, prefetch=1,
-               reduction="exact", **optimizer_kwargs):
+               reduction="exact", check_timeout=60, **optimizer_kwargs):
     """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world).
 
     Returns (module, optimizer): the same module, now sharded and hooked, and the optimizer
@@ -1068,7 +1099,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     stage3_units: modules (e.g. transformer blocks) whose parameters stage 3 gathers together,
     in one go before the unit's forward and backward; other modules gather their own.
     prefetch: at stage 3, gather the next units while the current one computes, up to this
-    many times the largest unit's elements ahead (0: no prefetch).
+    many times the largest unit's elements ahead (0: no prefetch). check_timeout: seconds a
+    stage-3 rank waits for the others to reach the same gather before it raises.
 
     At stages 1-2, step() returns with the all-gather of the updated parameters still in
     flight: each module's forward waits for its own part, and module.state_dict(),
@@ -1094,7 +1126,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     if stage < 3:
         parameters = FlatParameters(partition, module, precision.param_dtype, gather_after_step=stage > 0)
     else:
-        parameters = ShardedParameters(partition, module, groups, hooks, shared, precision.param_dtype, prefetch)
+        parameters = ShardedParameters(partition, module, groups, hooks, shared, precision.param_dtype, prefetch,
+                                       check_timeout)
     gradients = GradientBuckets(partition, precision, keep_full=stage < 2, replicate=stage == 0,
                                 on_grad=parameters.on_grad, on_backward_end=parameters.on_backward_end)
     if stage == 3:
