@@ -346,19 +346,7 @@ class Nodes:
         results, port = ctx.Queue(), next(self.ports)  # queues are pipes: they work across namespaces
         procs = [ctx.Process(target=_node_rank_main, args=(r, self.names, self.addrs[0], port, fn, args, results))
                  for r in range(len(self.names))]
-        for proc in procs:
-            proc.start()
-        out = {}
-        for _ in procs:
-            rank, ok, value = results.get()
-            if not ok:  # the other ranks may wait forever in a collective this one left
-                for proc in procs:
-                    proc.kill()
-                raise RuntimeError(f"rank {rank} of {len(procs)} failed:\n{value}")
-            out[rank] = value
-        for proc in procs:
-            proc.join()
-        return [out[r] for r in range(len(procs))]
+        return memory_table.collect(procs, results)
 
 
 def _node_rank_main(rank, names, master, port, fn, args, results):

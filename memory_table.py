@@ -301,19 +301,25 @@ def run_on_ranks(nd, fn, *args, timeout=600):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, nd, port, fn, args, results)) for r in range(nd)]
+    return collect(procs, results, timeout)
+
+
+def collect(procs, results, timeout=None):
+    """Start the rank processes procs and return what each put on `results`, in rank order; a
+    rank's failure kills them all and is raised."""
     for p in procs:
         p.start()
     out = {}
-    for _ in range(nd):
+    for _ in procs:
         rank, ok, value = results.get(timeout=timeout)
         if not ok:   # the other ranks may wait forever in a collective this one left
             for p in procs:
                 p.kill()
-            raise RuntimeError(f"rank {rank} of {nd} failed:\n{value}")
+            raise RuntimeError(f"rank {rank} of {len(procs)} failed:\n{value}")
         out[rank] = value
     for p in procs:
         p.join()
-    return [out[r] for r in range(nd)]
+    return [out[r] for r in range(len(procs))]
 
 
 # ---------------------------------------------------------------------------
