@@ -7,6 +7,7 @@ Every function named `on_rank_*` runs on each rank of a live gloo group (conftes
 returns a list of mismatches, empty when everything agreed.
 """
 import gc
+import time
 import warnings
 
 import pytest
@@ -463,10 +464,16 @@ def on_rank_dropped_model_is_freed(stage):
             model, opt = mlp, torch.optim.AdamW(mlp.parameters(), lr=1e-3)
         for step in range(2):
             F.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 16)).backward()
+            if step == 1 and dist.get_rank() == 1:
+                time.sleep(0.2)  # so rank 0 drops its model while the last all-gather is in flight
             opt.step()
             opt.zero_grad()
         alive = weakref.ref(model)
         del mlp, model, opt
+        # Stages 1-2 leave the parameters' all-gather in flight after step(); the collective holds
+        # its buffer until the slower rank joins it. gloo's barrier first waits for every earlier
+        # collective, so what is still alive after it is a leak, not a collective still running.
+        dist.barrier()
         after = live_storages()
         results[system] = (alive() is None, sum(s.nbytes() for k, s in after.items() if k not in before))
         del after
