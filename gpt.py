@@ -9,7 +9,9 @@ no dropout) whose linear layers split over a `tp_group`. With tp_group=None it i
 one-process model and needs no process group at all.
 
 A model at tp=T starts from exactly the weights of the tp=1 model with the same seed: every
-full weight is drawn from one seeded generator, then each rank keeps its slice.
+full weight is drawn from a generator seeded by the seed and its name, then each rank keeps its
+slice. A model built on the meta device gets the same weights from init_weights, one module at
+a time (zero.initialize(model, ..., init_fn=model.init_weights) does that, shard by shard).
 
     from gpt import GPT, PRESETS, num_params, make_mesh
     model = GPT(PRESETS["tiny"], seed=0)                  # one process, tp = 1
@@ -20,10 +22,11 @@ full weight is drawn from one seeded generator, then each rank keeps its slice.
     dp_group, tp_group = make_mesh(dp=2, tp=2)
     model = GPT(PRESETS["tiny"], tp_group=tp_group, seed=0)
 
-    GPT(PRESETS["7.5b"], device="meta")                   # allocates nothing
+    GPT(PRESETS["7.5b"], device="meta")                   # allocates nothing, initialises nothing
     num_params(PRESETS["7.5b"])                           # psi, without building anything
 """
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -348,27 +351,32 @@ class GPT(nn.Module):
         # module's parameters around its forward, sees the tied weight used here too.
         self.lm_head = ColumnParallelLinear(C, config.vocab_size, tp_group, bias=False, device=device)
         self.lm_head.weight = self.wte.weight                                             # (V/tp, C)
-        if self.wte.weight.device.type != "meta":
-            self._init_weights(seed)
+        self.seed = seed
+        self.names = {p: name for name, p in self.named_parameters()}  # a tied weight: its first name
+        for module in self.modules():
+            self.init_weights(module)
 
     @torch.no_grad()
-    def _init_weights(self, seed):
-        """GPT-2's init, drawn full-size in a fixed order, so every tp keeps slices of the same weights."""
-        gen = torch.Generator().manual_seed(seed)
-
-        def normal(*shape, std=0.02):  # (out, in): the full tp=1 tensor, drawn on the CPU
-            return torch.empty(shape).normal_(0.0, std, generator=gen)
-
-        load_full_(self.wte.weight, normal(self.config.vocab_size, self.config.n_embd), self.tp_group)
-        load_full_(self.wpe.weight, normal(self.config.block_size, self.config.n_embd), self.tp_group)
+    def init_weights(self, module):
+        """GPT-2's init of `module`'s own parameters (not its children's). Each is drawn full-size
+        (tp=1) on the CPU from a generator seeded by the model's seed and the parameter's name,
+        then this rank keeps its slice: the same values at every tp, and whether the model is
+        built whole or on the meta device and initialised one module at a time (zero.initialize's
+        init_fn). Meta parameters are left alone."""
         proj_std = 0.02 / math.sqrt(2 * self.config.n_layer)  # GPT-2: residual projections scaled down
-        for block in self.h:
-            for linear, std in ((block.attn.c_attn, 0.02), (block.attn.c_proj, proj_std),
-                                (block.mlp.c_fc, 0.02), (block.mlp.c_proj, proj_std)):
-                load_full_(linear.weight, normal(linear.out_features, linear.in_features, std=std), self.tp_group)
-                if linear.bias is not None:
-                    linear.bias.zero_()
-        # LayerNorms keep torch's init: weight 1, bias 0
+        for param in module.parameters(recurse=False):
+            name = self.names[param]
+            if param.is_meta:  # built on meta: zero.initialize(..., init_fn=model.init_weights) fills it
+                continue
+            if isinstance(module, nn.LayerNorm) or name.endswith(".bias"):  # torch's LayerNorm init: 1 and 0
+                param.fill_(1.0 if isinstance(module, nn.LayerNorm) and name.endswith(".weight") else 0.0)
+                continue
+            shape = list(param.shape)  # the full tp=1 shape: a split dimension times tp
+            if getattr(param, "tensor_model_parallel", False):
+                shape[param.partition_dim] *= self.tp_size
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))
+            std = proj_std if name.endswith("c_proj.weight") else 0.02
+            load_full_(param, torch.empty(shape).normal_(0.0, std, generator=gen), self.tp_group)
 
     def forward(self, idx, targets=None):
         """idx: (B, T) token ids. Returns (logits, loss).

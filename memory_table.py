@@ -211,7 +211,8 @@ def simulate(preset, nd, stage, rank=0):
         module = GPT(PRESETS[preset], device="meta")
         psi = sum(p.numel() for p in module.parameters())
         model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=stage, param_dtype=torch.bfloat16,
-                                           stage3_units=module.h, lr=1e-4)
+                                           stage3_units=module.h, init_fn=module.init_weights, device="meta",
+                                           lr=1e-4)
         idx = torch.zeros(1, 8, dtype=torch.long, device="meta")
         optimizer.backward(model(idx, idx)[1])  # stage 3 learns the units' order
         optimizer.step()  # the optimizer states exist from here on

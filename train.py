@@ -125,9 +125,10 @@ def main(argv=None):
     # memory on CPU is counted from the tensors alive; the corpus is not the model's
     baseline = zero.live_tensor_bytes() if device.type == "cpu" else 0
 
-    # model: every tp rank keeps its slice of the seed's weights; ZeRO shards it over dp ranks
+    # model: built on the meta device (nothing allocated); zero.initialize has each rank
+    # initialise it one module at a time, keeping its slice (tp) of its shard (dp) of the weights
     config = PRESETS[args.model]
-    model = GPT(config, tp_group=tp_group if args.tp > 1 else None, seed=args.seed, device=device)
+    model = GPT(config, tp_group=tp_group if args.tp > 1 else None, seed=args.seed, device="meta")
     if args.checkpoint != "none":
         zero.checkpoint_activations(model.h, tp_group=tp_group if args.tp > 1 else None,
                                     partition=args.checkpoint.startswith("P_a"), cpu=args.checkpoint == "P_a+cpu",
@@ -139,6 +140,7 @@ def main(argv=None):
                                        param_groups=[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
                                        param_dtype=getattr(torch, args.dtype), bucket_numel=args.bucket_numel,
                                        stage3_units=model.h,  # stage 3 gathers a block's parameters at once
+                                       init_fn=model.init_weights, device=device,
                                        lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     log(f"{backend} on {device.type} | world {world} = dp {dp} x tp {args.tp} | ZeRO stage {args.stage} | {args.dtype} | "
         f"model {args.model}: {num_params(config) / 1e6:.2f}M parameters | corpus {len(data) / 1e6:.1f} MB")

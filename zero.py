@@ -177,10 +177,10 @@ class Bucket:
 
 
 class FlatPartition:
-    def __init__(self, params, runs, group, bucket_numel, reduction):
+    def __init__(self, params, runs, group, bucket_numel, reduction, device):
         """params: every parameter, trainable ones first (their index order); runs: [(parameters,
-        trainable)], the same parameters in flat order."""
-        self.group, self.reduction = group, reduction
+        trainable)], the same parameters in flat order; device: where the flat buffers live."""
+        self.group, self.reduction, self.device = group, reduction, device
         self.nd, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.params = params
         self.index = {p: i for i, p in enumerate(params)}
@@ -272,16 +272,73 @@ class FlatPartition:
             self.all_gather(full[self.flat_range(k)], own[self.own(k)], async_op=False)
         return full
 
-    def rank0_values(self, k, dtype, device):
-        """Bucket k's parameter values as rank 0 holds them, padded with zeros: every rank starts
-        from rank 0's weights, as in DDP (one bucket-sized broadcast at a time)."""
+    def rank0_values(self, k):
+        """Bucket k's parameter values as rank 0 holds them, padded with zeros: a module built
+        whole starts from rank 0's weights, as in DDP (one bucket-sized broadcast at a time)."""
         b = self.buckets[k]
-        values = torch.zeros(b.chunk * self.nd, dtype=dtype, device=device)
+        values = torch.zeros(b.chunk * self.nd, dtype=self.params[0].dtype, device=self.device)
         for i, lo, hi in b.segments:
             a = self.offsets[i]
             values[lo - b.start:hi - b.start] = self.params[i].detach().reshape(-1)[lo - a:hi - a]
         dist.broadcast(values, group_src=0, group=self.group)
         return values
+
+
+# -----------------------------------------------------------------------------------------
+# Shard-only initialisation: a module built on the meta device is never whole on any rank.
+# Bucket by bucket, each rank materialises the modules whose parameters lie in the bucket,
+# has init_fn fill them, copies the bucket out and frees every module it is done with. A rank
+# holds what its stage keeps plus about one module: at stage 3, its shard and one unit.
+# init_fn must give every rank the same values (gpt.py seeds each parameter by its name).
+# -----------------------------------------------------------------------------------------
+class MetaInit:
+    def __init__(self, module, partition, init_fn, device):
+        self.partition, self.init_fn, self.device = partition, init_fn, device
+        self.owner = {}  # parameter -> the first module that holds it (a tied weight has one owner)
+        for m in module.modules():
+            for p in m.parameters(recurse=False):
+                self.owner.setdefault(p, m)
+        self.left = collections.Counter(self.owner.values())  # parameters each module still has to copy out
+        self.last = [segments[-1][0] if segments else -1 for segments in partition.segments_of]
+        # Each parameter moves to the device now, before any hook is put on it (a hook lives on
+        # the tensor that swap_tensors replaces), as the same Parameter object with no storage yet.
+        for p in partition.params:
+            real = torch.nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+            real.__dict__.update(p.__dict__)  # attributes such as gpt.py's tensor-parallel marks
+            real.untyped_storage().resize_(0)
+            torch.utils.swap_tensors(p, real)
+        self.materialized = set()
+        for m in module.modules():  # buffers are small and every rank keeps them whole
+            if any(b.is_meta for b in m.buffers(recurse=False)):
+                for name, b in m.named_buffers(recurse=False):
+                    setattr(m, name, torch.empty_like(b, device=device))
+                self._materialize(m)
+
+    def values(self, k):
+        """Bucket k's parameter values, padded with zeros, initialised on this rank."""
+        part, b = self.partition, self.partition.buckets[k]
+        values = torch.zeros(b.chunk * part.nd, dtype=part.params[0].dtype, device=self.device)
+        for i, lo, hi in b.segments:
+            if self.owner[part.params[i]] not in self.materialized:
+                self._materialize(self.owner[part.params[i]])
+            a = part.offsets[i]
+            values[lo - b.start:hi - b.start] = part.params[i].detach().reshape(-1)[lo - a:hi - a]
+        for i, lo, hi in b.segments:
+            m = self.owner[part.params[i]]
+            self.left[m] -= self.last[i] == k
+            if self.left[m] == 0:  # done with this module: free it (the parameters keep their shapes)
+                for p in m.parameters(recurse=False):
+                    if self.owner[p] is m:
+                        p.untyped_storage().resize_(0)
+        return values
+
+    def _materialize(self, m):
+        """Storage for m's own parameters, then init_fn(m) fills them."""
+        for p in m.parameters(recurse=False):
+            if self.owner[p] is m:
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+        self.materialized.add(m)
+        self.init_fn(m)
 
 
 # -----------------------------------------------------------------------------------------
@@ -302,7 +359,7 @@ class ZeroOptimizer:
     """The optimizer a user steps: backward (with fp16 loss scaling), clip_grad_norm_, step,
     zero_grad. It composes the parameters (5.1 or 5.3) and the gradient buckets (5.2)."""
 
-    def __init__(self, module, partition, parameters, gradients, owned, precision, loss_scale,
+    def __init__(self, module, partition, parameters, gradients, owned, precision, loss_scale, start,
                  optimizer_class, param_groups, optimizer_kwargs):
         self.module, self.partition, self.parameters, self.gradients = module, partition, parameters, gradients
         self.owned, self.precision = owned, precision  # owned: per bucket, (flat slice, own slice)
@@ -324,13 +381,13 @@ class ZeroOptimizer:
                     self.pieces[-1] = Piece(i, flat, slice(last.own.start, own.stop))
                 else:
                     self.pieces.append(Piece(i, slice(lo, hi), own))
-        # Every rank starts from rank 0's weights: the parameters take them bucket by bucket,
-        # the fp32 master its owned ranges (from the full-precision values, before any cast).
-        device = partition.params[0].device
-        self.master = torch.empty(self.own_numel, dtype=precision.master_dtype, device=device) \
+        # start(k): bucket k's starting values (rank 0's, or initialised here from the meta
+        # device). The parameters take them bucket by bucket, the fp32 master its owned ranges
+        # (from the full-precision values, before any cast).
+        self.master = torch.empty(self.own_numel, dtype=precision.master_dtype, device=partition.device) \
             if precision.master_dtype else None
         for k, (f, o) in enumerate(owned):
-            values = partition.rank0_values(k, partition.params[0].dtype, device)
+            values = start(k)
             parameters.load(k, values)
             if self.master is not None:
                 b = partition.buckets[k]
@@ -537,7 +594,7 @@ class ZeroOptimizer:
         full = {}
         for key in sorted({k for d in merged.values() for k, v in d.items() if v == "elementwise"}):
             own = torch.zeros(self.own_numel, device=self.master.device if self.master is not None else
-                              self.partition.params[0].device)  # one gather per elementwise state
+                              self.partition.device)  # one gather per elementwise state
             for piece, w in zip(self.pieces, self.weights):
                 if key in self.optim.state.get(w, {}):
                     own[piece.own] = self.optim.state[w][key]
@@ -568,7 +625,7 @@ class GradientBuckets:
         self.partition, self.precision, self.replicate = partition, precision, replicate
         self.on_grad, self.on_backward_end = on_grad, on_backward_end
         self.n_trainable = sum(p.requires_grad for p in partition.params)
-        device = partition.params[0].device
+        device = partition.device
         # small flags (which parameters were used, overflow) must be readable: on the CPU when the
         # model is on the meta device (memory_table.py simulates the paper's sizes that way)
         self.flag_device = torch.device("cpu") if device.type == "meta" else device
@@ -718,7 +775,7 @@ def _call_weakly(method, *args):
 class FlatParameters:
     def __init__(self, partition, module, dtype, gather_after_step):
         self.partition, self.gather_after_step = partition, gather_after_step
-        self.flat = torch.zeros(partition.padded_numel, dtype=dtype, device=partition.params[0].device)
+        self.flat = torch.zeros(partition.padded_numel, dtype=dtype, device=partition.device)
         self.in_flight = []  # (flat start, work) of the all-gathers step() left in flight
         if gather_after_step:
             for m in module.modules():
@@ -807,13 +864,13 @@ def gather_groups(module, units):
 class ShardedParameters:
     def __init__(self, partition, module, groups, hooks, shared, dtype, prefetch, check_timeout):
         self.partition, self.shared, self.prefetch = partition, shared, prefetch
-        self.shard = torch.zeros(partition.shard_numel, dtype=dtype, device=partition.params[0].device)
+        self.shard = torch.zeros(partition.shard_numel, dtype=dtype, device=partition.device)
         names = {m: name or "the root module" for name, m in module.named_modules()}
         self.names = [None] * len(groups)  # a group's name: the first module that gathers it
         for m, gids in hooks:
             for g in gids:
                 self.names[g] = self.names[g] or names[m]
-        device = partition.params[0].device
+        device = partition.device
         self.flag_device = torch.device("cpu") if device.type == "meta" else device
         self.check_timeout = datetime.timedelta(seconds=check_timeout)
         self.group_of = {p: g for g, members in enumerate(groups) for p in members}
@@ -821,15 +878,15 @@ class ShardedParameters:
         self.group_buckets = [sorted({k for p in members for k, lo, hi in partition.segments_of[partition.index[p]]})
                               for members in groups]
         self.group_buckets = [range(ks[0], ks[-1] + 1) if ks else range(0) for ks in self.group_buckets]
-        self.buffers = [torch.empty(sum(partition.buckets[k].chunk * partition.nd for k in ks), dtype=dtype,
-                                    device=partition.params[0].device) for ks in self.group_buckets]
+        self.groups, self.dtype, self.buffers = groups, dtype, []  # a buffer per group, made by bind()
         # In backward a group is freed when its last gradient arrives; one that holds a frozen
         # parameter (no gradient says when backward is done with it) at the end of backward.
         self.trainable_in = [math.inf if any(not p.requires_grad for p in members) else len(members)
                              for members in groups]
         self.grads_left = list(self.trainable_in)
         self.refcount = [0] * len(groups)
-        self.prefetch_numel = prefetch * max(buf.numel() for buf in self.buffers)  # see _prefetch
+        self.prefetch_numel = prefetch * max(sum(partition.buckets[k].chunk for k in ks) * partition.nd
+                                             for ks in self.group_buckets)  # see _prefetch
         self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, {}
         self.gradients = None  # the GradientBuckets, set by initialize
         for m, gids in hooks:
@@ -842,14 +899,16 @@ class ShardedParameters:
         self.shard[self.partition.own(k)].copy_(values[self.partition.rank * chunk:(self.partition.rank + 1) * chunk])
 
     def bind(self):
-        """Each parameter becomes a view into its group's buffer, which stays empty until gathered."""
+        """Each parameter becomes a view into its group's buffer, which stays empty until
+        gathered: made, bound and freed one group at a time, so no more than one is ever whole."""
         part = self.partition
-        for p, g in self.group_of.items():
-            start = part.buckets[self.group_buckets[g][0]].start if self.group_buckets[g] else 0
-            a = part.offsets[part.index[p]] - start
-            p.data = self.buffers[g][a:a + p.numel()].view(p.shape)
-        for buf in self.buffers:
+        for ks, members in zip(self.group_buckets, self.groups):
+            buf = torch.empty(sum(part.buckets[k].chunk for k in ks) * part.nd, dtype=self.dtype, device=part.device)
+            for p in members:
+                a = part.offsets[part.index[p]] - (part.buckets[ks[0]].start if ks else 0)
+                p.data = buf[a:a + p.numel()].view(p.shape)
             self._free(buf)
+            self.buffers.append(buf)
 
     def view(self, piece):
         return self.shard[piece.own]
@@ -1080,13 +1139,20 @@ def checkpoint_activations(blocks, tp_group=None, partition=False, cpu=False, co
 # -----------------------------------------------------------------------------------------
 def initialize(module, optimizer_class, stage, group=None, param_groups=None, bucket_numel=DEFAULT_BUCKET_NUMEL,
                param_dtype=None, reduce_dtype=None, loss_scale=None, stage3_units=None, prefetch=1,
-               reduction="exact", check_timeout=60, **optimizer_kwargs):
+               reduction="exact", check_timeout=60, init_fn=None, device=None, **optimizer_kwargs):
     """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world).
 
     Returns (module, optimizer): the same module, now sharded and hooked, and the optimizer
     to step. `optimizer_class` is a torch.optim class (not an instance) and its arguments come
     as keywords; `param_groups` is an optional list of {"params": [...], **options} over the
     module's parameters, as torch.optim takes it. Every rank starts from rank 0's weights.
+
+    A module built on the meta device (`with torch.device("meta"): ...`) is initialised shard by
+    shard: init_fn(submodule) is called once zero has materialised that submodule's own
+    parameters (and buffers) on `device`, and fills them in place, e.g. `lambda m:
+    m.reset_parameters()` or gpt.py's `model.init_weights`; it must give every rank the same
+    values. device: where (default: the current CUDA device if there is one, else the CPU;
+    "meta" simulates, as memory_table.py does).
 
     bucket_numel: elements per bucket, the unit of every reduce-scatter and all-gather (C_B).
     reduction: "exact" (default) sums gradients in rank order, the same bits at every stage,
@@ -1108,13 +1174,14 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     Read the parameters any other way (p.data, parameters_to_vector) only after one of those.
     """
     _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
-           loss_scale, prefetch, reduction, optimizer_kwargs)
+           loss_scale, prefetch, reduction, init_fn, optimizer_kwargs)
     params = list(module.parameters())  # unique: a tied weight is listed once
     params = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
     precision = Precision(param_dtype or params[0].dtype, reduce_dtype or param_dtype or params[0].dtype)
-    for b in module.buffers():
-        if b.is_floating_point():
-            b.data = b.data.to(precision.param_dtype)
+    if not params[0].is_meta:
+        device = params[0].device
+    elif device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     if stage < 3:  # the trainable parameters in module order, then the frozen ones
         runs = [(params[:sum(p.requires_grad for p in params)], True),
                 (params[sum(p.requires_grad for p in params):], False)]
@@ -1122,7 +1189,13 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         groups, hooks, shared = gather_groups(module, stage3_units or ())
         runs = [([p for p in members if p.requires_grad == trainable], trainable)
                 for members in groups for trainable in (True, False)]
-    partition = FlatPartition(params, [(run, t) for run, t in runs if run], group, bucket_numel, reduction)
+    partition = FlatPartition(params, [(run, t) for run, t in runs if run], group, bucket_numel, reduction,
+                              torch.device(device))
+    start = MetaInit(module, partition, init_fn, partition.device).values if params[0].is_meta \
+        else partition.rank0_values
+    for b in module.buffers():
+        if b.is_floating_point():
+            b.data = b.data.to(precision.param_dtype)
     if stage < 3:
         parameters = FlatParameters(partition, module, precision.param_dtype, gather_after_step=stage > 0)
     else:
@@ -1135,7 +1208,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     buckets = range(len(partition.buckets))
     owned = [(partition.flat_range(k), partition.flat_range(k)) for k in buckets] if stage == 0 else \
         [(partition.chunk(k), partition.own(k)) for k in buckets]
-    optimizer = ZeroOptimizer(module, partition, parameters, gradients, owned, precision, loss_scale,
+    optimizer = ZeroOptimizer(module, partition, parameters, gradients, owned, precision, loss_scale, start,
                               optimizer_class, param_groups, optimizer_kwargs)
     buffers = list(module.buffers())
     if buffers and partition.nd > 1:
@@ -1145,7 +1218,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
 
 
 def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
-           loss_scale, prefetch, reduction, optimizer_kwargs):
+           loss_scale, prefetch, reduction, init_fn, optimizer_kwargs):
     """Bad input: a clear error that names the fix."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("zero.initialize needs a process group: call torch.distributed.init_process_group"
@@ -1177,6 +1250,17 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     params = list(module.parameters())
     if not params:
         raise ValueError("module has no parameters to shard")
+    on_meta = [name for name, p in module.named_parameters() if p.is_meta]
+    if on_meta and len(on_meta) < len(params):
+        raise ValueError(f"parameters {on_meta[:3]}... are on the meta device and the others are not: build the "
+                         f"whole module on meta (with torch.device('meta'): ...) and pass init_fn, or none of it")
+    if on_meta and init_fn is None:
+        raise ValueError("the module is on the meta device: pass init_fn, a function that fills one submodule's "
+                         "own parameters in place once zero has materialised them, e.g. init_fn=lambda m: "
+                         "m.reset_parameters(), or gpt.py's init_fn=model.init_weights")
+    if init_fn is not None and not on_meta:
+        raise ValueError(f"init_fn initialises a module built on the meta device, but this one is on "
+                         f"{params[0].device} and already initialised: drop init_fn")
     for name, p in module.named_parameters():
         if not p.is_floating_point():
             raise TypeError(f"parameter {name} has dtype {p.dtype}: ZeRO shards floating-point parameters "
