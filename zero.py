@@ -24,11 +24,17 @@ partition), 5.2 (P_os+g: gradient buckets reduced in backward), 5.3 (P_os+g+p: p
 gathered around each module), 6 (ZeRO-R); `initialize` at the end composes the parts a stage
 needs. Run the tests with `python -m pytest -n 2 test_zero.py`.
 """
+import bisect
 import collections
 import datetime
 import functools
 import gc
+import hashlib
+import json
 import math
+import os
+import pathlib
+import shutil
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -401,6 +407,7 @@ class ZeroOptimizer:
             piece_groups.append({**{k: v for k, v in g.items() if k != "params"},
                                  "params": [w for w, p in zip(weights, self.pieces) if p.index in members]})
         self.optim = optimizer_class(piece_groups, **optimizer_kwargs)
+        self.group_members = [list(g["params"]) for g in groups]  # the user's groups, for checkpoints
         self.weights = weights
         if loss_scale is None and precision.param_dtype == torch.float16:
             loss_scale = DynamicLossScale()
@@ -607,6 +614,85 @@ class ZeroOptimizer:
                                 for k, v in keys.items()}
         return result
 
+    # For checkpoints: this rank's shard, read and written through its own space.
+    def _own_chunk(self, k):
+        """Where this rank's chunk of bucket k lies in its own space."""
+        f, o = self.owned[k]
+        at = o.start + self.partition.chunk(k).start - f.start
+        return slice(at, at + self.partition.buckets[k].chunk)
+
+    def _state_keys(self):
+        """The elementwise optimizer states, on any rank (a rank may hold no piece)."""
+        keys = {key for w in self.weights for key, v in self.optim.state.get(w, {}).items()
+                if torch.is_tensor(v) and v.shape == w.shape}
+        everyone = [None] * self.partition.nd
+        dist.all_gather_object(everyone, keys, group=self.partition.group)
+        return sorted(set().union(*everyone))
+
+    def _weights_dtype(self):
+        """The optimizer's weights (the fp32 master, else the parameters); its states take this dtype."""
+        return self.master.dtype if self.master is not None else self.partition.params[0].dtype
+
+    def _own_state(self, key):
+        own = torch.zeros(self.own_numel, dtype=self._weights_dtype(), device=self.partition.device)
+        for piece, w in zip(self.pieces, self.weights):
+            if key in self.optim.state.get(w, {}):
+                own[piece.own] = self.optim.state[w][key]
+        return own
+
+    def _scalar_states(self):
+        names = {p: n for n, p in self.module.named_parameters()}
+        return {names[self.partition.params[piece.index]]: {k: v for k, v in self.optim.state[w].items()
+                                                             if not (torch.is_tensor(v) and v.shape == w.shape)}
+                for piece, w in zip(self.pieces, self.weights) if w in self.optim.state}
+
+    def _layout(self, model):
+        """The manifest's description of the model, the partition and the optimizer."""
+        part, names, aliases = self.partition, {}, collections.defaultdict(list)
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if p in names:  # a tied weight's other names
+                aliases[p].append(name)
+            else:
+                names[p] = name
+        return dict(
+            psi=sum(p.numel() for p in part.params),
+            params=[dict(name=names[p], shape=list(p.shape), offset=part.offsets[i], aliases=aliases[p])
+                    for i, p in enumerate(part.params)],
+            buckets=[[b.start, b.numel, b.chunk, b.own] for b in part.buckets],
+            dtype=str(self._weights_dtype()).removeprefix("torch."),  # of the weights and the states
+            optimizer=type(self.optim).__name__,
+            param_groups=[{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in members]}
+                          for g, members in zip(self.optim.param_groups, self.group_members)],
+            loss_scale=self.loss_scale, clean_steps=self.clean_steps)
+
+    def _mismatch(self, model, manifest):
+        """Why this model and optimizer cannot take the checkpoint (empty: they can)."""
+        saved = {p["name"]: p["shape"] for p in manifest["params"]}
+        live = {n: list(p.shape) for n, p in model.named_parameters()}
+        problems = [f"another model: {n} is {'not in this model' if n not in live else f'{live[n]} here, {s} saved'}"
+                    for n, s in saved.items() if live.get(n) != s]
+        problems += [f"another model: {n} is not in the checkpoint" for n in live if n not in saved]
+        if manifest["dtype"] != str(self._weights_dtype()).removeprefix("torch."):
+            problems.append(f"another dtype: weights saved as {manifest['dtype']}, this optimizer keeps "
+                            f"{self._weights_dtype()}: initialize with the dtypes the checkpoint was trained with")
+        if manifest["optimizer"] != type(self.optim).__name__:
+            problems.append(f"another optimizer: {manifest['optimizer']} saved, {type(self.optim).__name__} here")
+        if len(manifest["param_groups"]) != len(self.optim.param_groups):
+            problems.append(f"{len(manifest['param_groups'])} param_groups saved, {len(self.optim.param_groups)} here")
+        return problems
+
+    def _read_own(self, reader, key):
+        """This rank's own space of `key` ("weights" or an optimizer state) from a checkpoint."""
+        part, names = self.partition, {p: n for n, p in self.module.named_parameters()}
+        own = torch.zeros(self.own_numel, dtype=self._weights_dtype(), device=part.device)
+        for (f, o), b in zip(self.owned, part.buckets):
+            for i, lo, hi in b.segments:
+                lo, hi = max(lo, f.start), min(hi, f.stop)
+                if lo < hi:
+                    at = reader.params[names[part.params[i]]]["offset"] + lo - part.offsets[i]
+                    reader.read(key, at, hi - lo, own[o.start + lo - f.start:o.start + hi - f.start])
+        return own
+
 
 # -----------------------------------------------------------------------------------------
 # Section 5.2 -- P_os+g: gradient buckets, reduced during backward.
@@ -805,10 +891,13 @@ class FlatParameters:
         for f, o in owned:
             self.flat[f].copy_(source[o])
 
-    def after_step(self):
+    def mine(self, k):
+        return self.flat[self.partition.chunk(k)]
+
+    def after_step(self, frozen_too=False):
         if self.gather_after_step:  # each rank's updated chunk to every rank: Ψ per rank (Section 7.2.1)
             part = self.partition
-            for k in (k for k, b in enumerate(part.buckets) if b.trainable):
+            for k in (k for k, b in enumerate(part.buckets) if b.trainable or frozen_too):
                 work = part.all_gather(self.flat[part.flat_range(k)], self.flat[part.chunk(k)])
                 self.in_flight.append((part.buckets[k].start, work))
 
@@ -918,7 +1007,10 @@ class ShardedParameters:
     def copy_owned(self, owned, source):
         self.shard.copy_(source)
 
-    def after_step(self):
+    def mine(self, k):
+        return self.shard[self.partition.own(k)]
+
+    def after_step(self, frozen_too=False):
         pass  # nothing to gather now: the next forward gathers what it uses
 
     def wait(self):
@@ -1307,3 +1399,218 @@ def full_optimizer_state(module):
     """{parameter name: {state key: full tensor}}: the optimizer state as one unsharded optimizer
     would hold it. A collective: call it on every rank."""
     return _engine(module).full_optimizer_state()
+
+
+# -----------------------------------------------------------------------------------------
+# Checkpoints: each rank saves what it holds. For every bucket, rank r owns chunk r (Section
+# 5's partition); a rank's chunks end to end are its shard. Each rank writes its shard of the
+# weights (the fp32 master where there is one, else the parameters) and of each elementwise
+# optimizer state, one file each; manifest.json holds the layout and every file's sha256.
+# Element x of the flat space lies in bucket k's chunk (x - start_k) // chunk_k, at
+# own_k + (x - start_k) % chunk_k of that rank's shard: so a checkpoint loads at any Nd, stage
+# or bucket size, each rank reading (memory-mapped) only the ranges it now owns.
+# -----------------------------------------------------------------------------------------
+FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is damaged, incomplete or for another model."""
+
+
+def save_checkpoint(path, model, optimizer, **extra):
+    """Save into the new directory `path`, on every rank (a collective). Files go to
+    path.partial and are renamed to `path` only once every rank's are complete and the manifest
+    is written: a crash mid-save leaves no directory that looks like a checkpoint. extra: this
+    rank's own values (e.g. the step, its data generator's state), given back by load_checkpoint.
+    Holds the rank's own state plus one shard-sized tensor at a time."""
+    opt, path = _engine(model), pathlib.Path(path)
+    part, group = opt.partition, opt.partition.group
+    partial = path.with_name(path.name + ".partial")
+    if path.exists():
+        raise FileExistsError(f"{path} exists: save each checkpoint into a new directory (e.g. step_000100)")
+    if part.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier(group=group)
+    opt.parameters.wait()
+    files, keys, error = {}, opt._state_keys(), None
+    buckets = range(len(part.buckets))
+    try:
+        for key in ["weights"] + keys:  # one shard-sized tensor at a time: (shard_numel,), bucket k's chunk at own_k
+            if key == "weights":
+                shard = [opt.master[opt._own_chunk(k)] if opt.master is not None else opt.parameters.mine(k)
+                         for k in buckets]
+            else:
+                own = opt._own_state(key)
+                shard = [own[opt._own_chunk(k)] for k in buckets]
+            files[f"rank{part.rank}.{key}.pt"] = torch.cat(shard)
+            _write(partial, files, f"rank{part.rank}.{key}.pt")
+        files[f"rank{part.rank}.rest.pt"] = {"scalars": opt._scalar_states(), "rng": torch.get_rng_state(),
+                                             "extra": extra, "buffers": dict(model.named_buffers())}
+        _write(partial, files, f"rank{part.rank}.rest.pt")
+    except Exception as e:  # every rank learns of it: none may wait for a rank that failed
+        error = f"rank {part.rank}: {type(e).__name__}: {e}"
+    everyone = [None] * part.nd
+    dist.all_gather_object(everyone, (error, files), group=group)
+    if any(err for err, _ in everyone):
+        raise RuntimeError(f"saving {path} failed, the checkpoint was not written: "
+                           f"{'; '.join(err for err, _ in everyone if err)}")
+    if part.rank == 0:
+        manifest = opt._layout(model)
+        manifest.update(format=FORMAT, torch=torch.__version__, nd=part.nd, state_keys=keys,
+                        files={name: digest for _, f in everyone for name, digest in f.items()})
+        (partial / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        os.replace(partial, path)  # atomic: the checkpoint appears whole or not at all
+    dist.barrier(group=group)
+
+
+def _write(directory, files, name):
+    """torch.save files[name] into directory; files[name] becomes [its bytes, its sha256]."""
+    torch.save(files[name], directory / name)
+    with open(directory / name, "rb") as f:
+        os.fsync(f.fileno())
+        files[name] = [os.path.getsize(directory / name), hashlib.file_digest(f, "sha256").hexdigest()]
+
+
+def load_checkpoint(path, model, optimizer):
+    """Restore what save_checkpoint saved, on every rank (a collective): parameters, master
+    weights, optimizer states, loss scale, buffers, this rank's RNG state and extra (returned).
+    Any Nd, stage or bucket size; the checkpoint is checked whole before anything is written."""
+    opt, path = _engine(model), pathlib.Path(path)
+    manifest = _read_manifest(path)
+    part = opt.partition
+    problems = [f"{name}: {why}" for i, name in enumerate(sorted(manifest["files"])) if i % part.nd == part.rank
+                for why in [_damage(path / name, *manifest["files"][name])] if why]
+    problems += opt._mismatch(model, manifest)
+    everyone = [None] * part.nd
+    dist.all_gather_object(everyone, problems, group=part.group)
+    problems = sorted({p for ps in everyone for p in ps})
+    if problems:
+        raise CheckpointError(f"cannot load {path}: " + "; ".join(problems))
+    reader = CheckpointReader(path, manifest)
+    opt.parameters.wait()
+    weights = opt._read_own(reader, "weights")
+    if opt.master is not None:
+        opt.master.copy_(weights)
+    opt.parameters.copy_owned(opt.owned, weights)
+    opt.parameters.after_step(frozen_too=True)
+    opt.parameters.wait()
+    scalars = reader.scalars()
+    names = {p: n for n, p in model.named_parameters()}
+    opt.optim.state.clear()
+    for key in manifest["state_keys"]:
+        own = opt._read_own(reader, key)
+        for piece, w in zip(opt.pieces, opt.weights):
+            opt.optim.state[w][key] = own[piece.own].clone()
+    for piece, w in zip(opt.pieces, opt.weights):
+        for key, value in scalars.get(names[part.params[piece.index]], {}).items():
+            opt.optim.state[w][key] = value.clone() if torch.is_tensor(value) else value
+    for group, saved in zip(opt.param_groups, manifest["param_groups"]):
+        group.update({k: type(group[k])(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()
+                      if k != "params"})
+    opt.loss_scale, opt.clean_steps = manifest["loss_scale"], manifest["clean_steps"]
+    rest = reader.rest(part.rank % manifest["nd"])
+    for name, b in model.named_buffers():
+        b.copy_(reader.rest(0)["buffers"][name])
+    if manifest["nd"] == part.nd:  # each rank its own random stream; at another Nd the streams differ
+        torch.set_rng_state(rest["rng"])
+    return rest["extra"]
+
+
+def consolidate(path, out=None):
+    """A checkpoint as plain torch state: {"model": state_dict, "optimizer": state_dict} that an
+    unsharded module and a torch.optim optimizer with the same param_groups (by default one
+    group of model.parameters()) load with load_state_dict. Tied weights appear under every
+    name; the weights are the fp32 master where there was one. Reads one tensor at a time;
+    needs no process group. `out`: also torch.save it there."""
+    path = pathlib.Path(path)
+    manifest = _read_manifest(path)
+    for name, (size, digest) in manifest["files"].items():
+        why = _damage(path / name, size, digest)
+        if why:
+            raise CheckpointError(f"cannot consolidate {path}: {name}: {why}")
+    reader = CheckpointReader(path, manifest)
+    model, shapes = {}, {p["name"]: p for p in manifest["params"]}
+    for p in manifest["params"]:
+        for name in [p["name"]] + p["aliases"]:
+            model[name] = model.get(p["name"]) if name != p["name"] else reader.param(p["name"], "weights")
+    model.update(reader.rest(0)["buffers"])
+    scalars, state, groups, index = reader.scalars(), {}, [], 0
+    for saved in manifest["param_groups"]:
+        groups.append({**saved, "params": list(range(index, index + len(saved["params"])))})
+        for name in saved["params"]:
+            entry = {k: reader.param(name, k) for k in manifest["state_keys"]} if name in scalars else {}
+            entry.update(scalars.get(name, {}))
+            if entry:
+                state[index] = entry
+            index += 1
+    result = {"model": model, "optimizer": {"state": state, "param_groups": groups}}
+    if out is not None:
+        torch.save(result, out)
+    return result
+
+
+class CheckpointReader:
+    """Reads ranges of the flat space out of the rank files, memory-mapped: only what is asked
+    for is read from disk."""
+
+    def __init__(self, path, manifest):
+        self.path, self.manifest, self.files = path, manifest, {}
+        self.starts = [b[0] for b in manifest["buckets"]]
+        self.params = {p["name"]: p for p in manifest["params"]}
+
+    def _file(self, name):
+        if name not in self.files:
+            self.files[name] = torch.load(self.path / name, mmap=True, weights_only=True)
+        return self.files[name]
+
+    def read(self, key, x, n, out):
+        """Flat elements [x, x + n) of `key` into out (n,)."""
+        done = 0
+        while done < n:
+            k = bisect.bisect_right(self.starts, x + done) - 1
+            start, numel, chunk, own = self.manifest["buckets"][k]
+            rank, at = divmod(x + done - start, chunk)
+            m = min(n - done, chunk - at, start + numel - (x + done))
+            out[done:done + m] = self._file(f"rank{rank}.{key}.pt")[own + at:own + at + m]
+            done += m
+
+    def param(self, name, key):
+        p = self.params[name]
+        out = torch.empty(math.prod(p["shape"]), dtype=getattr(torch, self.manifest["dtype"]))
+        self.read(key, p["offset"], out.numel(), out)
+        return out.view(p["shape"])
+
+    def rest(self, rank):
+        return self._file(f"rank{rank}.rest.pt")
+
+    def scalars(self):
+        merged = {}
+        for rank in range(self.manifest["nd"]):
+            for name, keys in self.rest(rank)["scalars"].items():
+                merged.setdefault(name, {}).update(keys)
+        return merged
+
+
+def _read_manifest(path):
+    if not (path / "manifest.json").is_file():
+        why = "it does not exist" if not path.exists() else \
+            "its save did not finish (a .partial directory)" if path.name.endswith(".partial") else \
+            "it has no manifest.json, so its save never completed or it is not a zero checkpoint"
+        raise CheckpointError(f"{path} is not a checkpoint: {why}; load a directory save_checkpoint wrote")
+    manifest = json.loads((path / "manifest.json").read_text())
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {manifest.get('format')}; this zero.py reads format {FORMAT}")
+    return manifest
+
+
+def _damage(file, size, digest):
+    """Why `file` is not the one the manifest lists, or None."""
+    if not file.is_file():
+        return "missing: the checkpoint is incomplete; load an earlier one"
+    if file.stat().st_size != size:
+        return f"truncated or changed ({file.stat().st_size} bytes, {size} saved): load an earlier checkpoint"
+    with open(file, "rb") as f:
+        if hashlib.file_digest(f, "sha256").hexdigest() != digest:
+            return "checksum mismatch: the file is damaged; load an earlier checkpoint"
+    return None
