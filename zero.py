@@ -660,6 +660,7 @@ class ZeroOptimizer:
                     for i, p in enumerate(part.params)],
             buckets=[[b.start, b.numel, b.chunk, b.own] for b in part.buckets],
             dtype=str(self._weights_dtype()).removeprefix("torch."),  # of the weights and the states
+            param_dtype=str(self.precision.param_dtype).removeprefix("torch."),
             optimizer=type(self.optim).__name__,
             param_groups=[{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in members]}
                           for g, members in zip(self.optim.param_groups, self.group_members)],
@@ -672,9 +673,11 @@ class ZeroOptimizer:
         problems = [f"another model: {n} is {'not in this model' if n not in live else f'{live[n]} here, {s} saved'}"
                     for n, s in saved.items() if live.get(n) != s]
         problems += [f"another model: {n} is not in the checkpoint" for n in live if n not in saved]
-        if manifest["dtype"] != str(self._weights_dtype()).removeprefix("torch."):
-            problems.append(f"another dtype: weights saved as {manifest['dtype']}, this optimizer keeps "
-                            f"{self._weights_dtype()}: initialize with the dtypes the checkpoint was trained with")
+        saved = (manifest["dtype"], manifest["param_dtype"])
+        live = tuple(str(t).removeprefix("torch.") for t in (self._weights_dtype(), self.precision.param_dtype))
+        if saved != live:
+            problems.append(f"another dtype: saved with {saved[0]} weights computing in {saved[1]}, this model has "
+                            f"{live[0]} weights computing in {live[1]}: initialize with the checkpoint's dtypes")
         if manifest["optimizer"] != type(self.optim).__name__:
             problems.append(f"another optimizer: {manifest['optimizer']} saved, {type(self.optim).__name__} here")
         if len(manifest["param_groups"]) != len(self.optim.param_groups):
@@ -1451,7 +1454,7 @@ def save_checkpoint(path, model, optimizer, **extra):
     except Exception as e:  # every rank learns of it: none may wait for a rank that failed
         error = f"rank {part.rank}: {type(e).__name__}: {e}"
     everyone = [None] * part.nd
-    dist.all_gather_object(everyone, (error, files), group=group)
+    dist.all_gather_object(everyone, (error, {} if error else files), group=group)  # files: name -> [bytes, sha256]
     if any(err for err, _ in everyone):
         raise RuntimeError(f"saving {path} failed, the checkpoint was not written: "
                            f"{'; '.join(err for err, _ in everyone if err)}")

@@ -1,0 +1,293 @@
+"""Sharded checkpoints: resume bit for bit, reshard to another Nd or stage, consolidate to plain
+torch, refuse what is broken.
+
+    python -m pytest -n 2 test_checkpoint.py
+"""
+import os
+import pathlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero
+from gpt import GPT, GPTConfig
+
+CONFIG = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
+
+
+def make(stage, bucket_numel=700, config=CONFIG, optimizer=torch.optim.AdamW, **kwargs):
+    module = GPT(config, seed=1, device="meta")
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    rest = [p for p in module.parameters() if p.dim() < 2]
+    return zero.initialize(module, optimizer, stage=stage, bucket_numel=bucket_numel, stage3_units=module.h,
+                           param_groups=[{"params": decay}, {"params": rest, "weight_decay": 0.0}],
+                           init_fn=module.init_weights, lr=1e-2, **kwargs)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(10 * step + dist.get_rank())
+    return torch.randint(0, 64, (3, 16), generator=g), torch.randint(0, 64, (3, 16), generator=g)
+
+
+def train(model, opt, first, last, clip=True):
+    losses = []
+    for step in range(first, last):
+        for group in opt.param_groups:
+            group["lr"] = 1e-2 / (1 + step)  # a schedule: restored with the param_groups
+        x, y = batch(step)
+        loss = model(x, y)[1]
+        opt.backward(loss)
+        if clip:
+            opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def full_state(model):
+    state = dict(zero.full_state_dict(model))
+    for name, keys in zero.full_optimizer_state(model).items():
+        state.update({f"{name}:{key}": torch.as_tensor(v) for key, v in keys.items()})
+    return state
+
+
+def differences(a, b):
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
+
+
+# -----------------------------------------------------------------------------------------
+# Resume: saved at step k and resumed, the run is the uninterrupted run, bit for bit
+# -----------------------------------------------------------------------------------------
+def on_rank_resume(path, stage, kwargs):
+    model, opt = make(stage, **kwargs)
+    train(model, opt, 0, 3)
+    gen = torch.Generator().manual_seed(dist.get_rank())  # a data position to carry over
+    zero.save_checkpoint(path, model, opt, step=3, data=gen.get_state())
+    torch.manual_seed(1234 + dist.get_rank())  # disturb the RNG: load restores it
+    want = train(model, opt, 3, 6)
+    want_state = full_state(model)
+    model, opt = make(stage, **kwargs)
+    extra = zero.load_checkpoint(path, model, opt)
+    got = train(model, opt, extra["step"], 6)
+    assert torch.equal(extra["data"], gen.get_state())
+    return [bool(torch.equal(a, b)) for a, b in zip(want, got)], differences(want_state, full_state(model))
+
+
+RESUME = [pytest.param(nd, stage, {}, marks=pytest.mark.xdist_group(f"world{nd}"))
+          for nd, stage in [(1, 3), (2, 0), (2, 1), (2, 2), (2, 3), (3, 1), (4, 3)]]
+RESUME += [pytest.param(2, stage, {"param_dtype": dtype}, marks=pytest.mark.xdist_group("world2"))
+           for stage in (1, 3) for dtype in (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize("nd, stage, kwargs", RESUME)
+def test_resume_continues_bit_for_bit(world, tmp_path, nd, stage, kwargs):
+    for same_losses, differing in world(nd).run(on_rank_resume, str(tmp_path / "ckpt"), stage, kwargs):
+        assert same_losses == [True] * 3 and differing == []
+
+
+def on_rank_rng_is_restored(path):
+    model, opt = make(3)
+    torch.manual_seed(7 + dist.get_rank())
+    zero.save_checkpoint(path, model, opt)
+    want = torch.rand(3)
+    torch.manual_seed(99)
+    zero.load_checkpoint(path, model, opt)
+    return bool(torch.equal(torch.rand(3), want))
+
+
+@pytest.mark.xdist_group("world2")
+def test_each_rank_gets_its_own_rng_state_back(world, tmp_path):
+    assert world(2).run(on_rank_rng_is_restored, str(tmp_path / "ckpt")) == [True, True]
+
+
+# -----------------------------------------------------------------------------------------
+# Reshard: another Nd, stage or bucket size restores the same full state, and trains on
+# -----------------------------------------------------------------------------------------
+def on_rank_save_full_state(path, stage, bucket_numel, kwargs):
+    model, opt = make(stage, bucket_numel, **kwargs)
+    train(model, opt, 0, 2)
+    zero.save_checkpoint(path, model, opt)
+    return full_state(model)
+
+
+def on_rank_load_full_state(path, stage, bucket_numel, kwargs):
+    model, opt = make(stage, bucket_numel, **kwargs)
+    zero.load_checkpoint(path, model, opt)
+    state = full_state(model)
+    losses = train(model, opt, 2, 3)  # training goes on (its bits depend on the new Nd's reduction)
+    return state, bool(torch.isfinite(losses[0]))
+
+
+RESHARD = [(4, 3, 700, 2, 1, 700), (2, 2, 700, 3, 3, 700), (2, 1, 700, 1, 0, 700), (3, 3, 700, 4, 2, 333),
+           (1, 0, 5000, 2, 3, 64)]
+
+
+@pytest.mark.parametrize("save_nd, save_stage, save_bucket, load_nd, load_stage, load_bucket", RESHARD)
+def test_reshard_to_another_world_size_and_stage(world, tmp_path, save_nd, save_stage, save_bucket,
+                                                  load_nd, load_stage, load_bucket):
+    path = str(tmp_path / "ckpt")
+    saved = world(save_nd).run(on_rank_save_full_state, path, save_stage, save_bucket, {})[0]
+    for state, trained in world(load_nd).run(on_rank_load_full_state, path, load_stage, load_bucket, {}):
+        assert differences(saved, state) == [] and trained
+    print(f"{save_nd} ranks stage {save_stage} -> {load_nd} ranks stage {load_stage}: {len(saved)} full tensors equal")
+
+
+# -----------------------------------------------------------------------------------------
+# Consolidate: plain torch takes the checkpoint and steps to zero's next bits
+# -----------------------------------------------------------------------------------------
+def on_rank_zero_next_step(path, stage):
+    model, opt = make(stage)
+    train(model, opt, 0, 2, clip=False)
+    zero.save_checkpoint(path, model, opt)
+    train(model, opt, 2, 3, clip=False)
+    return zero.full_state_dict(model)
+
+
+def plain_next_step(path, nd):
+    """An unsharded GPT and torch's AdamW from the consolidated checkpoint, one step on the
+    batches of nd ranks: each rank's gradient, summed in rank order, divided by nd (zero's
+    exact reduction), so the bits are zero's."""
+    state = zero.consolidate(path, pathlib.Path(path).parent / "plain.pt")
+    module = GPT(CONFIG, seed=0)
+    module.load_state_dict(state["model"])
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    rest = [p for p in module.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+    opt.load_state_dict(state["optimizer"])
+    grads = []
+    for rank in range(nd):
+        g = torch.Generator().manual_seed(10 * 2 + rank)
+        x, y = torch.randint(0, 64, (3, 16), generator=g), torch.randint(0, 64, (3, 16), generator=g)
+        module.zero_grad()
+        module(x, y)[1].backward()
+        grads.append([p.grad.clone() for p in module.parameters()])
+    for i, p in enumerate(module.parameters()):
+        total = grads[0][i]
+        for rank in range(1, nd):
+            total = total + grads[rank][i]
+        p.grad = total / nd
+    for group in opt.param_groups:
+        group["lr"] = 1e-2 / 3
+    opt.step()
+    return module.state_dict()
+
+
+@pytest.mark.parametrize("nd, stage", [pytest.param(1, 3, marks=pytest.mark.xdist_group("world1")),
+                                       pytest.param(2, 2, marks=pytest.mark.xdist_group("world2"))])
+def test_consolidated_checkpoint_steps_like_zero_in_plain_torch(world, tmp_path, nd, stage):
+    path = str(tmp_path / "ckpt")
+    want = world(nd).run(on_rank_zero_next_step, path, stage)[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as on the ranks: a sum's bits depend on how many threads split it
+    try:
+        got = plain_next_step(path, nd)
+    finally:
+        torch.set_num_threads(threads)
+    assert "lm_head.weight" in zero.consolidate(path)["model"]  # the tied weight under both names
+    assert differences(want, {k: v.float() for k, v in got.items()}) == []
+
+
+# -----------------------------------------------------------------------------------------
+# Refuse what is broken: a clear error, and the live model untouched
+# -----------------------------------------------------------------------------------------
+def on_rank_save(path, stage):
+    model, opt = make(stage)
+    train(model, opt, 0, 1)
+    zero.save_checkpoint(path, model, opt)
+
+
+def damage(path, how):
+    path = pathlib.Path(path)
+    target = path / "rank1.weights.pt"
+    if how == "truncated":
+        target.write_bytes(target.read_bytes()[:-100])
+    elif how == "flipped byte":
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 1
+        target.write_bytes(bytes(data))
+    elif how == "missing rank file":
+        target.unlink()
+    elif how == "missing manifest":
+        (path / "manifest.json").unlink()
+    return str(path)
+
+
+def on_rank_load_refused(path, make_kwargs):
+    model, opt = make(**make_kwargs)
+    before = full_state(model)
+    try:
+        zero.load_checkpoint(path, model, opt)
+        return "no error", None
+    except zero.CheckpointError as e:
+        return str(e), differences(before, full_state(model))
+
+
+BROKEN = {
+    "truncated": ({"stage": 3}, "truncated"), "flipped byte": ({"stage": 3}, "checksum mismatch"),
+    "missing rank file": ({"stage": 3}, "missing"), "missing manifest": ({"stage": 3}, "not a checkpoint"),
+    "another model": ({"stage": 3, "config": GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=4,
+                                                        n_embd=32)}, "another model: h.2.ln_1.weight"),
+    "another dtype": ({"stage": 3, "param_dtype": torch.bfloat16}, "another dtype"),
+    "another optimizer": ({"stage": 3, "optimizer": torch.optim.Adam}, "another optimizer: AdamW saved, Adam here"),
+}
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("how", BROKEN)
+def test_broken_checkpoints_are_refused_before_anything_is_loaded(world, tmp_path, how):
+    path = str(tmp_path / "ckpt")
+    world(2).run(on_rank_save, path, 3)
+    make_kwargs, message = BROKEN[how]
+    for error, changed in world(2).run(on_rank_load_refused, damage(path, how), make_kwargs):
+        print(error)
+        assert message in error and changed == []
+
+
+@pytest.mark.xdist_group("world2")
+def test_a_directory_that_is_not_a_checkpoint_is_refused(world, tmp_path):
+    (tmp_path / "empty").mkdir()
+    for where, why in [("empty", "no manifest.json"), ("nowhere", "does not exist")]:
+        for error, changed in world(2).run(on_rank_load_refused, str(tmp_path / where), {"stage": 1}):
+            assert why in error and changed == []
+
+
+def on_rank_crash_while_saving(path, new_path):
+    model, opt = make(2)
+    train(model, opt, 0, 1)
+    zero.save_checkpoint(path, model, opt)
+    want = full_state(model)
+    train(model, opt, 1, 2)
+    real_save, calls = torch.save, []
+
+    def failing_save(obj, f, **kwargs):  # rank 1's writer fails at its second file
+        calls.append(f)
+        return real_save(obj, f, **kwargs) if len(calls) < 2 else 1 / 0
+
+    if dist.get_rank() == 1:
+        torch.save = failing_save
+    try:
+        zero.save_checkpoint(new_path, model, opt)
+        crashed = "no error"
+    except RuntimeError as e:
+        crashed = str(e)
+    finally:
+        torch.save = real_save
+    try:
+        zero.load_checkpoint(new_path, model, opt)
+        refused = "loaded"
+    except zero.CheckpointError as e:
+        refused = str(e)
+    zero.load_checkpoint(path, model, opt)
+    return crashed, refused, differences(want, full_state(model))
+
+
+@pytest.mark.xdist_group("world2")
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_loadable(world, tmp_path):
+    for crashed, refused, differing in world(2).run(on_rank_crash_while_saving, str(tmp_path / "old"),
+                                                     str(tmp_path / "new")):
+        assert "rank 1: ZeroDivisionError" in crashed, crashed
+        assert "does not exist" in refused, refused  # only new.partial was written
+        assert differing == []
+    assert not (tmp_path / "new").exists() and sorted(os.listdir(tmp_path)) == ["new.partial", "old"]
