@@ -91,3 +91,15 @@ def test_train_bad_flags_say_what_to_change(flags, message):
     proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *flags], capture_output=True,
                           text=True, timeout=120, cwd=HERE)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.xdist_group("train")
+def test_train_resumed_from_a_checkpoint_gives_the_uninterrupted_losses(tmp_path):
+    """40 steps saving at 20, and a run resumed from step 20: the same losses (the model,
+    optimizer, learning-rate schedule and data position all carry over)."""
+    flags = ["--stage", "3", "--steps", "40", "--eval_every", "40", "--batch_size", "2", "--seq_len", "32"]
+    whole, _ = run_train(tmp_path, 2, *flags, "--save_dir", str(tmp_path / "a"), "--save_every", "20")
+    resumed, stdout = run_train(tmp_path, 2, *flags, "--save_dir", str(tmp_path / "b"),
+                                "--resume", str(tmp_path / "a" / "step_000020"))
+    assert "resumed from" in stdout and "saved" in stdout
+    assert [row["loss"] for row in resumed["log"]] == [row["loss"] for row in whole["log"]][20:]

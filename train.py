@@ -48,7 +48,15 @@ def parse_args(argv=None):
     p.add_argument("--eval_every", type=int, default=100, help="validation loss every this many steps")
     p.add_argument("--data", default=None, help="a text file (default: the Python standard library's source)")
     p.add_argument("--out", default=None, help="write the run's log as JSON to this file")
+    p.add_argument("--save_dir", default=None, help="save sharded checkpoints into DIR/step_NNNNNN")
+    p.add_argument("--save_every", type=int, default=0, help="a checkpoint every this many steps (and at the end)")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                   help="continue from a checkpoint (default: the latest complete one in --save_dir)")
     args = p.parse_args(argv)
+    if args.save_every and not args.save_dir:
+        p.error("--save_every needs --save_dir DIR, where the checkpoints go")
+    if args.resume == "latest" and not args.save_dir:
+        p.error("--resume without a checkpoint needs --save_dir DIR to find the latest one in")
     for name in ("steps", "batch_size", "seq_len", "eval_every", "tp", "grad_accum", "bucket_numel"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1 (got {getattr(args, name)})")
@@ -101,6 +109,12 @@ def lr_at(step, args):
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def latest_checkpoint(save_dir):
+    """The complete checkpoint of the highest step in save_dir (a save cut short has no manifest)."""
+    done = sorted(pathlib.Path(save_dir).glob("step_*/manifest.json"))
+    if not done:
+        raise SystemExit(f"--resume: no complete checkpoint in {save_dir}; start without --resume")
+    return done[-1].parent
 
 
 def main(argv=None):
@@ -146,13 +160,20 @@ def main(argv=None):
         f"model {args.model}: {num_params(config) / 1e6:.2f}M parameters | corpus {len(data) / 1e6:.1f} MB")
 
     gen = torch.Generator().manual_seed(args.seed * 1000 + dp_rank)  # each dp rank its own batches
+    first = 0
+    if args.resume:  # the model, optimizer, loss scale and RNG, then the step and the data position
+        path = latest_checkpoint(args.save_dir) if args.resume == "latest" else args.resume
+        extra = zero.load_checkpoint(path, model, optimizer)
+        first = extra["step"]
+        gen.set_state(extra["data"])
+        log(f"resumed from {path} at step {first}")
     tokens_per_step = args.batch_size * args.seq_len * dp * args.grad_accum
     history, val_history = [], []
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         batches = [get_batch(train_data, args.batch_size, args.seq_len, gen, device) for _ in range(args.grad_accum)]
-        measure = step == 0 or (step + 1) % args.eval_every == 0  # on CPU each record walks every tensor
+        measure = step == first or (step + 1) % args.eval_every == 0  # on CPU each record walks every tensor
         memory.records, memory.recording = [], measure
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -177,8 +198,8 @@ def main(argv=None):
             peak = torch.cuda.max_memory_allocated(device) / 1e6
         elif measure:  # CPU: the largest live-tensor total seen at a module boundary
             peak = (memory.peak() - baseline) / 1e6
-        if step == 0:
-            log(f"memory at step 0 ({'CUDA allocator' if device.type == 'cuda' else 'live tensors'}): "
+        if step == first:
+            log(f"memory at step {step} ({'CUDA allocator' if device.type == 'cuda' else 'live tensors'}): "
                 f"activations kept at the end of forward {memory.kept_by_forward() / 1e6:.2f} MB/rank "
                 f"(checkpointing: {args.checkpoint}) | peak {(memory.peak() - baseline) / 1e6:.2f} MB/rank")
         mean_loss = step_loss.clone()
@@ -194,6 +215,10 @@ def main(argv=None):
             val = evaluate(model, val_data, args, device, dp_group, dp)
             val_history.append(dict(step=step, val_loss=val))
             log(f"step {step:4d} | validation loss {val:.4f}")
+        if args.save_dir and (step == args.steps - 1 or args.save_every and (step + 1) % args.save_every == 0):
+            path = pathlib.Path(args.save_dir) / f"step_{step + 1:06d}"
+            zero.save_checkpoint(path, model, optimizer, step=step + 1, data=gen.get_state())
+            log(f"step {step:4d} | saved {path}")
 
     # a sample: every rank runs the same generation (stage 3 gathers parameters collectively,
     # tp ranks must draw the same tokens), rank 0 prints it
