@@ -291,3 +291,53 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_loadable(world, tmp
         assert "does not exist" in refused, refused  # only new.partial was written
         assert differing == []
     assert not (tmp_path / "new").exists() and sorted(os.listdir(tmp_path)) == ["new.partial", "old"]
+
+
+def on_rank_memory_while_saving_and_loading(path):
+    """Live bytes sampled at every file written and every state read, beyond what was alive
+    before the model was built; against the rank's model states and one shard."""
+    before = zero.live_storages()
+
+    def new_bytes():  # memory-mapped checkpoint files are the page cache's, not this process's memory
+        maps = [line.split() for line in open("/proc/self/maps")]
+        mapped = [[int(a, 16) for a in m[0].split("-")] for m in maps if len(m) > 5 and m[5].startswith(path)]
+        return sum(s.nbytes() for k, s in zero.live_storages().items()
+                   if k not in before and not any(lo <= s.data_ptr() < hi for lo, hi in mapped))
+
+    model, opt = make(3, 300)
+    train(model, opt, 0, 1)
+    held, samples = new_bytes(), []
+    real_save, real_read = torch.save, opt._read_own
+
+    def sampled_save(obj, f, **kwargs):
+        samples.append(new_bytes())  # with the tensor about to be written
+        return real_save(obj, f, **kwargs)
+
+    torch.save = sampled_save
+    try:
+        zero.save_checkpoint(path, model, opt)
+    finally:
+        torch.save = real_save
+    save_peak = max(samples)
+    samples.clear()
+
+    def sampled_read(*args):
+        own = real_read(*args)
+        samples.append(new_bytes())  # with the own-space tensor just read
+        return own
+
+    opt._read_own = sampled_read
+    try:
+        zero.load_checkpoint(path, model, opt)
+    finally:
+        del opt._read_own
+    return held, save_peak, max(samples), zero.model_state_bytes(model), opt.partition.shard_numel * 4
+
+
+@pytest.mark.xdist_group("world2")
+def test_saving_and_loading_hold_the_model_states_and_one_shard(world, tmp_path):
+    for held, save_peak, load_peak, states, shard in world(2).run(on_rank_memory_while_saving_and_loading,
+                                                                  str(tmp_path / "ckpt")):
+        print(f"held {held} B (model states {states} B); saving peaks at +{save_peak - held} B, loading at "
+              f"+{load_peak - held} B; one shard is {shard} B")
+        assert save_peak <= held + shard + 8192 and load_peak <= held + shard  # 8 KB: the RNG state, the scalars

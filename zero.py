@@ -1439,14 +1439,15 @@ def save_checkpoint(path, model, optimizer, **extra):
     files, keys, error = {}, opt._state_keys(), None
     buckets = range(len(part.buckets))
     try:
-        for key in ["weights"] + keys:  # one shard-sized tensor at a time: (shard_numel,), bucket k's chunk at own_k
-            if key == "weights":
-                shard = [opt.master[opt._own_chunk(k)] if opt.master is not None else opt.parameters.mine(k)
-                         for k in buckets]
-            else:
-                own = opt._own_state(key)
-                shard = [own[opt._own_chunk(k)] for k in buckets]
-            files[f"rank{part.rank}.{key}.pt"] = torch.cat(shard)
+        for key in ["weights"] + keys:  # (shard_numel,): bucket k's chunk at own_k; one at a time
+            own = opt.master if key == "weights" else opt._own_state(key)
+            if own is None:  # no master: the parameters, in the flat space or (stage 3) the shard
+                shard = torch.cat([opt.parameters.mine(k) for k in buckets])
+            elif own.numel() == part.shard_numel:  # stages 1-3: the own space is the shard
+                shard = own
+            else:  # stage 0 owns the whole flat space: its chunks
+                shard = torch.cat([own[opt._own_chunk(k)] for k in buckets])
+            files[f"rank{part.rank}.{key}.pt"] = shard
             _write(partial, files, f"rank{part.rank}.{key}.pt")
         files[f"rank{part.rank}.rest.pt"] = {"scalars": opt._scalar_states(), "rng": torch.get_rng_state(),
                                              "extra": extra, "buffers": dict(model.named_buffers())}
@@ -1501,10 +1502,10 @@ def load_checkpoint(path, model, optimizer):
     scalars = reader.scalars()
     names = {p: n for n, p in model.named_parameters()}
     opt.optim.state.clear()
-    for key in manifest["state_keys"]:
+    for key in manifest["state_keys"]:  # each state one own-space tensor; the pieces' states are views of it
         own = opt._read_own(reader, key)
         for piece, w in zip(opt.pieces, opt.weights):
-            opt.optim.state[w][key] = own[piece.own].clone()
+            opt.optim.state[w][key] = own[piece.own]
     for piece, w in zip(opt.pieces, opt.weights):
         for key, value in scalars.get(names[part.params[piece.index]], {}).items():
             opt.optim.state[w][key] = value.clone() if torch.is_tensor(value) else value
@@ -1617,3 +1618,11 @@ def _damage(file, size, digest):
         if hashlib.file_digest(f, "sha256").hexdigest() != digest:
             return "checksum mismatch: the file is damaged; load an earlier checkpoint"
     return None
+
+
+if __name__ == "__main__":  # python zero.py consolidate CHECKPOINT_DIR OUT.pt
+    import sys
+    if len(sys.argv) != 4 or sys.argv[1] != "consolidate":
+        raise SystemExit("usage: python zero.py consolidate CHECKPOINT_DIR OUT.pt")
+    consolidate(sys.argv[2], sys.argv[3])
+    print(f"wrote {sys.argv[3]}: {{'model': state_dict, 'optimizer': state_dict}} for plain torch")
