@@ -11,16 +11,8 @@ every system must share (same seed, same weights, same data).
     python bench.py --json > bench.json                          # the rows as one JSON object
     python bench.py --nodes 4 --link 200mbit                     # 4 emulated nodes, 200 Mbit/s links (root, iproute2)
 
-Each system is a fresh gloo process group of --world spawned ranks (ranks.run_on_ranks),
-all started at once and then driven in turns: round after round (--repeats), each system in
-turn runs one untimed lead-in step and --steps timed steps while the others wait, between two
-turns of one more DDP process group, the clock. A ratio to DDP is a turn's time over the
-clock's around it, so the machine's drift cancels; the DDP row against the clock shows the
-noise that is left. All of that happens --launches times, with new processes each time, so
-that one process group's lasting offset (a few percent, measured) averages out too.
-With --nodes N every rank runs in a network namespace of its own (an emulated node) and gloo
-talks over veth links to a bridge, each link capped at --link each way by tc; bench.py makes
-the namespaces before the systems start and deletes them at the end.
+Each system runs in a process group of its own (ranks.run_on_ranks), taking turns with a DDP
+clock so that the machine's drift cancels (drive); docs/benchmarks.md says how it measures.
 Progress goes to stderr.
 """
 import argparse
@@ -166,11 +158,10 @@ def get_batch(gen, args):
 
 
 # ---------------------------------------------------------------------------
-# Every system lives in its own fresh process group of --world ranks (ranks.run_on_ranks),
-# all started at once; the ranks then wait for orders. The machine's speed drifts (measured here:
-# a fixed matmul ran 2.3x faster from one half-minute to the next), so the systems take turns, a
-# few steps each, round after round, and every turn is timed against a DDP clock run just
-# before and after it (main).
+# Every system lives in its own fresh process group of --world ranks, all started at once; the
+# ranks then wait for orders. The machine's speed drifts (measured here: a fixed matmul ran 2.3x
+# faster from one half-minute to the next), so the systems take turns, a few steps each, round
+# after round, and every turn is timed against a DDP clock run just before and after it (drive).
 # ---------------------------------------------------------------------------
 def serve_rank(system, args, inboxes, outbox):
     """On each rank of the system's process group: build, warm up, then run what the inbox says:
