@@ -11,22 +11,15 @@ every system must share (same seed, same weights, same data).
     python bench.py --json > bench.json                          # the rows as one JSON object
     python bench.py --nodes 4 --link 200mbit                     # 4 emulated nodes, 200 Mbit/s links (root, iproute2)
 
-Each system is a fresh gloo process group of --world spawned ranks (memory_table.run_on_ranks),
-all started at once and then driven in turns: round after round (--repeats), each system in
-turn runs one untimed lead-in step and --steps timed steps while the others wait, between two
-turns of one more DDP process group, the clock. A ratio to DDP is a turn's time over the
-clock's around it, so the machine's drift cancels; the DDP row against the clock shows the
-noise that is left. All of that happens --launches times, with new processes each time, so
-that one process group's lasting offset (a few percent, measured) averages out too.
-With --nodes N every rank runs in a network namespace of its own (an emulated node) and gloo
-talks over veth links to a bridge, each link capped at --link each way by tc; bench.py makes
-the namespaces before the systems start and deletes them at the end.
+Each system runs in a process group of its own (ranks.run_on_ranks), taking turns with a DDP
+clock so that the machine's drift cancels (drive); docs/benchmarks.md says how it measures.
 Progress goes to stderr.
 """
 import argparse
 import atexit
 import contextlib
 import ctypes
+import functools
 import importlib.util
 import itertools
 import json
@@ -39,7 +32,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections import Counter
 
 import torch
@@ -48,6 +40,7 @@ import torch.multiprocessing as mp
 from tabulate import tabulate
 
 import memory_table
+import ranks
 import zero
 from gpt import GPT, PRESETS, num_params
 
@@ -165,11 +158,10 @@ def get_batch(gen, args):
 
 
 # ---------------------------------------------------------------------------
-# Every system lives in its own fresh process group of --world ranks (memory_table.run_on_ranks),
-# all started at once; the ranks then wait for orders. The machine's speed drifts (measured here:
-# a fixed matmul ran 2.3x faster from one half-minute to the next), so the systems take turns, a
-# few steps each, round after round, and every turn is timed against a DDP clock run just
-# before and after it (main).
+# Every system lives in its own fresh process group of --world ranks, all started at once; the
+# ranks then wait for orders. The machine's speed drifts (measured here: a fixed matmul ran 2.3x
+# faster from one half-minute to the next), so the systems take turns, a few steps each, round
+# after round, and every turn is timed against a DDP clock run just before and after it (drive).
 # ---------------------------------------------------------------------------
 def serve_rank(system, args, inboxes, outbox):
     """On each rank of the system's process group: build, warm up, then run what the inbox says:
@@ -194,9 +186,7 @@ def serve_rank(system, args, inboxes, outbox):
     while inboxes[rank].get() == "turn":
         # The lead-in step, untimed, brings back the caches another system's turn took, and puts
         # zero.py's stage 1-2 parameter gather in flight, so every timed step is a step in
-        # steady state. Before: no lead-in, and each turn waited for its last gather inside the
-        # clock, with nothing to overlap it (measured: about 25 ms a turn, 1% of a stage 1-2
-        # step at 2 steps a turn).
+        # steady state, its gather overlapping the step before it as in training.
         train_step()
         t0 = time.perf_counter()
         for _ in range(args.steps):
@@ -241,7 +231,7 @@ class Server:
     def _run(self, args, nodes):
         work = (serve_rank, self.system, args, self.inboxes, self.outbox)
         try:  # the ranks live as long as the benchmark
-            self.result = memory_table.run_on_ranks(self.nd, *work, timeout=None) if nodes is None else \
+            self.result = ranks.run_on_ranks(self.nd, *work, timeout=None) if nodes is None else \
                 nodes.run(*work)
         except Exception as e:  # a rank failed: ask() reports it
             self.error = e
@@ -340,35 +330,26 @@ class Nodes:
             subprocess.run(["ip", "netns", "del", self.made.pop()], capture_output=True)
 
     def run(self, fn, *args):
-        """memory_table.run_on_ranks on the nodes: rank r in node r, rank 0's store on a new
-        port; the results in rank order."""
+        """ranks.run_on_ranks on the nodes: rank r in node r, talking over veth<r>, rank 0's
+        store on a new port; the results in rank order."""
         ctx = mp.get_context("spawn")
         results, port = ctx.Queue(), next(self.ports)  # queues are pipes: they work across namespaces
-        procs = [ctx.Process(target=_node_rank_main, args=(r, self.names, self.addrs[0], port, fn, args, results))
-                 for r in range(len(self.names))]
-        return memory_table.collect(procs, results)
+        procs = [ctx.Process(target=ranks.rank_main, args=(r, len(self.names), port, fn, args, results),
+                             kwargs=dict(master=self.addrs[0], setup=functools.partial(enter_namespace, name),
+                                         env=dict(GLOO_SOCKET_IFNAME=f"veth{r}")))
+                 for r, name in enumerate(self.names)]
+        return ranks.collect(procs, results)
 
 
-def _node_rank_main(rank, names, master, port, fn, args, results):
-    """A rank on node `rank`: move into its namespace (before any socket; threads started after
-    this inherit it), then memory_table._rank_main's gloo setup, over the node's veth."""
+def enter_namespace(name):
+    """Move this process into the network namespace `name`; before any socket opens, and
+    threads started after this inherit it."""
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
     try:
-        fd = os.open(f"/var/run/netns/{names[rank]}", os.O_RDONLY)
-        try:
-            if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:  # Python 3.11 has no os.setns
-                raise OSError(ctypes.get_errno(), f"setns into {names[rank]}: {os.strerror(ctypes.get_errno())}")
-        finally:
-            os.close(fd)
-        torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                          WORLD_SIZE=str(len(names)), GLOO_SOCKET_IFNAME=f"veth{rank}")
-        dist.init_process_group("gloo")
-        results.put((rank, True, fn(*args)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:  # Python 3.11 has no os.setns
+            raise OSError(ctypes.get_errno(), f"setns into {name}: {os.strerror(ctypes.get_errno())}")
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -417,18 +398,18 @@ def ratio(rounds):
     return f"{'≈ ' if lo <= 1 <= hi else ''}{r:.2f} [{lo:.2f}-{hi:.2f}]"
 
 
-def summarize(system, rounds, vs_clock, ranks, args, psi):
+def summarize(system, rounds, vs_clock, per_rank, args, psi):
     label, stage, volume = SYSTEMS[system]
     ms, ms_lo, ms_hi = spread(rounds)
     return dict(system=system, label=label, ms=ms, ms_lo=ms_lo, ms_hi=ms_hi, rounds=rounds, vs_clock=vs_clock,
-                model_states=max(r["model_states"] for r in ranks), formula_name=FORMULA[stage],
+                model_states=max(r["model_states"] for r in per_rank), formula_name=FORMULA[stage],
                 formula=memory_table.model_state_bytes(psi, args.world, stage, K=8, param_bytes=4, grad_bytes=4),
-                peak=max(r["peak"] for r in ranks),
+                peak=max(r["peak"] for r in per_rank),
                 # DeepSpeed calls its collectives through deepspeed.comm: wrapping torch.distributed
                 # sees only part of them (measured: ZeRO-1/2 the gradient all-reduce only, ZeRO-3 none)
-                sent=None if system.startswith("deepspeed") else max(sum(r["sent"].values()) for r in ranks),
-                sent_by_collective=ranks[0]["sent"], section7=volume * (args.world - 1) / args.world * 4 * psi,
-                loss=sum(r["loss"] for r in ranks) / len(ranks))  # the ranks' mean
+                sent=None if system.startswith("deepspeed") else max(sum(r["sent"].values()) for r in per_rank),
+                sent_by_collective=per_rank[0]["sent"], section7=volume * (args.world - 1) / args.world * 4 * psi,
+                loss=sum(r["loss"] for r in per_rank) / len(per_rank))  # the ranks' mean
 
 
 def table(rows, args, psi, notes):

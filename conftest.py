@@ -9,29 +9,19 @@ replaced.
 """
 import datetime
 import os
-import socket
 import traceback
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ranks import free_port, init_gloo
 
 
 def _rank_main(rank, nd, port, inbox, outbox):
-    torch.set_num_threads(1)  # 2 cores shared by up to 8 ranks; also avoids OpenMP hangs
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=nd, timeout=datetime.timedelta(seconds=300))
-    while True:
-        job = inbox.get()
-        if job is None:
-            break
+    """A rank of the pool: run each (fn, args) from the inbox, until None, reporting on outbox."""
+    init_gloo(rank, nd, port, timeout=datetime.timedelta(seconds=300))
+    while (job := inbox.get()) is not None:
         fn, args = job
         try:
             outbox.put((rank, True, fn(*args)))
@@ -45,7 +35,7 @@ class World:
 
     def __init__(self, nd):
         ctx = mp.get_context("spawn")
-        self.nd, port = nd, _free_port()
+        self.nd, port = nd, free_port()
         self.inboxes = [ctx.Queue() for _ in range(nd)]
         self.outbox = ctx.Queue()
         self.procs = [ctx.Process(target=_rank_main, args=(r, nd, port, self.inboxes[r], self.outbox),

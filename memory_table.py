@@ -177,7 +177,7 @@ def table2_text(rows):
 
 
 def formula_section(args):
-    """Sections 1-2 of issue 5: Tables 1 and 2 by formula."""
+    """Tables 1 and 2 by formula."""
     t1, t2 = table1_rows(), table2_rows()
     return {
         "table1": dict(heading="Table 1 by formula: per-device model-state memory (GB), K = 12 (Section 5)",
@@ -267,60 +267,6 @@ def simulate_section(args):
                              rows=rows, text=text),
             "simulate_comm": dict(heading="Communication at the paper's scale: the same simulated step, per rank",
                                   rows=comm_rows, text=comm_text)}
-
-
-# ---------------------------------------------------------------------------
-# Real ranks: a launcher for the measured sections (and bench.py). run_on_ranks(nd, fn, *args)
-# starts nd gloo processes, runs the module-level fn(*args) on each and returns their results
-# in rank order. Each rank sees the environment torchrun would give it (RANK, WORLD_SIZE, ...).
-# ---------------------------------------------------------------------------
-
-def _rank_main(rank, nd, port, fn, args, results):
-    import os
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(1)   # nd ranks share the cores
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(nd))
-    dist.init_process_group("gloo")   # env://, as under torchrun
-    try:
-        results.put((rank, True, fn(*args)))
-    except BaseException:
-        import traceback
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_on_ranks(nd, fn, *args, timeout=600):
-    """timeout: seconds to wait for the ranks' results (None: no limit, for bench.py's long-lived ranks)."""
-    import socket
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, nd, port, fn, args, results)) for r in range(nd)]
-    return collect(procs, results, timeout)
-
-
-def collect(procs, results, timeout=None):
-    """Start the rank processes procs and return what each put on `results`, in rank order; a
-    rank's failure kills them all and is raised."""
-    for p in procs:
-        p.start()
-    out = {}
-    for _ in procs:
-        rank, ok, value = results.get(timeout=timeout)
-        if not ok:   # the other ranks may wait forever in a collective this one left
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"rank {rank} of {len(procs)} failed:\n{value}")
-        out[rank] = value
-    for p in procs:
-        p.join()
-    return [out[r] for r in range(len(procs))]
 
 
 # ---------------------------------------------------------------------------
@@ -535,8 +481,9 @@ def activations_on_rank(checkpoint, preset, tp, batch_size=8, seq_len=128):
 
 
 def measure_section(args):
-    """Section 3 of issue 5: model states on real ranks, split and set beside the formula."""
+    """Model states on real ranks, split and set beside the formula; activations with P_a."""
     from gpt import num_params, PRESETS
+    from ranks import run_on_ranks
     rows = []
     for nd in args.world:
         configs = [(stage, dt, args.model) for dt in DTYPES for stage in (0, 1, 2, 3)]
@@ -601,8 +548,9 @@ def padded_per_unit(preset, nd):
 
 
 def comm_section(args):
-    """Section 5 of issue 5: elements each rank sends per step, as a multiple of Ψ."""
+    """Elements each rank sends per step, as a multiple of Ψ."""
     from gpt import PRESETS, num_params
+    from ranks import run_on_ranks
     psi = num_params(PRESETS[args.model])
     rows = []
     for nd in [n for n in args.world if n > 1]:

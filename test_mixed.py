@@ -3,7 +3,7 @@
     python -m pytest -n 2 test_mixed.py
 
 The reference is written here on torch's DDP: a 16-bit model whose gradients DDP averages
-(with the rank-order comm hook at world size 3+, see test_zero.rank_order_hook), and an fp32
+(with the rank-order comm hook at world size 3+, see helpers.rank_order_hook), and an fp32
 master copy of its weights updated by torch.optim.AdamW after torch.nn.utils.clip_grad_norm_.
 Accumulation semantics, the same on both sides: each micro-batch's gradient is averaged over
 ranks on its own (in the reduction dtype), and the averages are summed in micro-batch order.
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero
-from test_zero import VOCAB, Net, compare, live_storages, make_model, rank_order_hook, usage
+from helpers import VOCAB, compare, make_model, rank_order_hook, usage
 
 STEPS, MICRO, MAX_NORM = 5, 4, 0.05  # MAX_NORM: below every step's gradient norm, so clipping acts
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -184,7 +184,7 @@ def test_bf16_with_fp32_reduction_matches_a_hand_written_reference_bitwise(world
 # K = 12: bytes alive after backward, bf16 parameters and gradients, fp32 master + Adam states
 # -----------------------------------------------------------------------------------------
 def on_rank_bf16_model_state_bytes(stage):
-    before = live_storages()
+    before = zero.live_storages()
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(128, 257), torch.nn.GELU(), torch.nn.Linear(257, 131),
                               torch.nn.GELU(), torch.nn.Linear(131, 7))
@@ -199,7 +199,7 @@ def on_rank_bf16_model_state_bytes(stage):
             opt.zero_grad()
     del loss
     inputs = {x.untyped_storage()._cdata, y.untyped_storage()._cdata}
-    measured = sum(s.nbytes() for ptr, s in live_storages().items() if ptr not in before and ptr not in inputs)
+    measured = sum(s.nbytes() for ptr, s in zero.live_storages().items() if ptr not in before and ptr not in inputs)
     return measured, sum(p.numel() for p in mlp.parameters()), len(list(mlp.parameters()))
 
 

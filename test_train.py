@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero

@@ -6,9 +6,7 @@
 Every function named `on_rank_*` runs on each rank of a live gloo group (conftest.py) and
 returns a list of mismatches, empty when everything agreed.
 """
-import gc
 import time
-import warnings
 
 import pytest
 import torch
@@ -18,56 +16,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero
+from helpers import DIM, VOCAB, compare, make_model, rank_order_hook, usage
 
 STEPS = 6
-VOCAB, DIM, HIDDEN = 23, 9, 13
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
               "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01))}
-
-
-class Net(nn.Module):
-    """Every awkward case at once: odd sizes (Ψ = 751, so shards straddle parameters and need
-    padding at every Nd > 1), a tied weight, a frozen layer, two layers used only in some
-    steps, and a buffer that forward updates and the output depends on."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, DIM)
-        self.ln = nn.LayerNorm(DIM)
-        self.frozen = nn.Linear(DIM, DIM)
-        self.frozen.requires_grad_(False)
-        self.sometimes = nn.Linear(DIM, DIM)  # unused on some ranks in some steps
-        self.rarely = nn.Linear(DIM, DIM)  # unused on every rank in even steps
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-        self.head.weight = self.emb.weight  # tied
-        self.register_buffer("seen", torch.zeros(DIM))
-
-    def forward(self, idx, use_sometimes, use_rarely):
-        h = self.emb(idx)  # (B, T, DIM)
-        if self.training:  # a running mean of the embeddings: differs per rank until synchronised
-            self.seen.mul_(0.9).add_(h.detach().mean((0, 1)), alpha=0.1)
-        h = h + self.fc2(torch.tanh(self.fc1(self.ln(h))))
-        h = self.frozen(h)
-        if use_sometimes:
-            h = h + self.sometimes(h)
-        if use_rarely:
-            h = h + self.rarely(h)
-        return self.head(h + self.seen)  # (B, T, VOCAB)
-
-
-def usage(step, rank, symmetric):
-    """Which optional layers run. Stage 3 gathers each module's parameters collectively, so
-    there every rank must run the same modules (symmetric); stages 0-2 also allow a layer that
-    only some ranks use."""
-    sometimes = step % 3 != 1 if symmetric else (step + rank) % 3 != 1
-    return sometimes, step % 2 == 1
-
-
-def make_model():
-    torch.manual_seed(100 + dist.get_rank())  # ranks start different: both sides take rank 0's
-    return Net()
 
 
 def param_groups(model):
@@ -79,24 +32,6 @@ def param_groups(model):
 def batch(step):
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())  # each rank its own data
     return torch.randint(0, VOCAB, (4, 5), generator=g), torch.randint(0, VOCAB, (4, 5), generator=g)
-
-
-def rank_order_hook(state, bucket):
-    """DDP's own all_reduce, at world size 3 and more, sums each element in an order that
-    depends on the bucket layout (gloo's ring; and DDP rebuilds its buckets after the first
-    step), which no other layout reproduces. This comm hook makes DDP sum in rank order,
-    ((g_0 + g_1) + g_2) + ..., then divide by Nd: the arithmetic zero.py does. DDP hands a hook
-    the undivided local gradients."""
-    nd = dist.get_world_size()
-    t = bucket.buffer()
-    parts = [torch.empty_like(t) for _ in range(nd)]
-    dist.all_gather(parts, t)
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total.add_(part)
-    fut = torch.futures.Future()
-    fut.set_result(total.div_(nd))
-    return fut
 
 
 _reference_cache = {}
@@ -127,17 +62,6 @@ def ddp_reference(opt_name, symmetric):
         trajectory.append((loss.detach(), state, optim))
     _reference_cache[key] = trajectory
     return trajectory
-
-
-def compare(where, got, want):
-    if isinstance(want, dict):
-        if set(got) != set(want):
-            return [f"{where}: keys {sorted(got)} != {sorted(want)}"]
-        return [m for k in want for m in compare(f"{where}.{k}", got[k], want[k])]
-    if not torch.equal(got, want):
-        diff = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else "shape"
-        return [f"rank {dist.get_rank()} {where}: not equal (max abs diff {diff})"]
-    return []
 
 
 def on_rank_match_ddp(stage, opt_name, bucket_numel, reduction="exact"):
@@ -348,23 +272,8 @@ def test_stage3_keeps_a_frozen_weight_until_backward_is_done_with_it(world):
 # -----------------------------------------------------------------------------------------
 # The stage really partitions: bytes alive on each rank after backward = the paper's formula
 # -----------------------------------------------------------------------------------------
-def live_storages():
-    """{storage id: storage} of every tensor alive, and of every tensor's .grad. Keyed by the
-    storage object, not data_ptr, which changes when a storage moves (share_memory_, resize_)."""
-    gc.collect()
-    found = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # reading .grad of a non-leaf warns
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
-                for t in (obj, obj.grad):
-                    if t is not None and t.untyped_storage().nbytes() > 0:
-                        found[t.untyped_storage()._cdata] = t.untyped_storage()
-    return found
-
-
 def on_rank_model_state_bytes(stage):
-    before = live_storages()  # kept alive, so no new storage can reuse their ids
+    before = zero.live_storages()  # kept alive, so no new storage can reuse their ids
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(128, 257), nn.GELU(), nn.Linear(257, 131), nn.GELU(), nn.Linear(131, 7))
     model, opt = zero.initialize(mlp, torch.optim.AdamW, stage=stage, bucket_numel=5000, lr=1e-3)
@@ -377,7 +286,7 @@ def on_rank_model_state_bytes(stage):
             opt.zero_grad()
     del loss
     inputs = {x.untyped_storage()._cdata, y.untyped_storage()._cdata}
-    new = [s.nbytes() for key, s in live_storages().items() if key not in before and key not in inputs]
+    new = [s.nbytes() for key, s in zero.live_storages().items() if key not in before and key not in inputs]
     psi = sum(p.numel() for p in mlp.parameters())
     return sum(new), psi, len(list(mlp.parameters())), sorted(new, reverse=True)
 
@@ -452,8 +361,7 @@ def test_stage3_rank_that_stops_gathering_is_caught_by_the_timeout(world):
 # -----------------------------------------------------------------------------------------
 def on_rank_dropped_model_is_freed(stage):
     import weakref
-    before = live_storages()
-    baseline = sum(s.nbytes() for s in before.values())
+    before = zero.live_storages()
     results = {}
     for system in ("torch", "zero"):
         torch.manual_seed(0)
@@ -474,7 +382,7 @@ def on_rank_dropped_model_is_freed(stage):
         # its buffer until the slower rank joins it. gloo's barrier first waits for every earlier
         # collective, so what is still alive after it is a leak, not a collective still running.
         dist.barrier()
-        after = live_storages()
+        after = zero.live_storages()
         results[system] = (alive() is None, sum(s.nbytes() for k, s in after.items() if k not in before))
         del after
     return results

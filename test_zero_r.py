@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 import zero
 from gpt import GPT, GPTConfig, make_mesh
-from test_zero import live_storages
 
 CONFIG = GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=4, n_embd=32)
 B, T = 3, 16
@@ -69,9 +68,9 @@ def on_rank_activation_bytes_after_forward(mode):
         zero.checkpoint_activations(model.h, tp_group=tp_group, **MODES[mode])
     model, opt = zero.initialize(model, torch.optim.AdamW, stage=0, group=dp_group, lr=1e-2)
     x, y = batch(0, dp_group)
-    before = live_storages()
+    before = zero.live_storages()
     loss = model(x, y)[1]
-    after = live_storages()  # what forward keeps for backward
+    after = zero.live_storages()  # what forward keeps for backward
     kept = sum(s.nbytes() for ptr, s in after.items() if ptr not in before)
     loss.backward()
     return kept
@@ -213,7 +212,7 @@ def on_rank_long_lived_tensors_are_views(stage):
         loss = model(x, y)[1]
         arena = ckpt.arena.untyped_storage()._cdata
         part_bytes = math.ceil(B * T * CONFIG.n_embd / 2) * 4
-        elsewhere = [s for s in live_storages().values() if s.nbytes() == part_bytes and s._cdata != arena]
+        elsewhere = [s for s in zero.live_storages().values() if s.nbytes() == part_bytes and s._cdata != arena]
         if ckpt.busy != [True] * CONFIG.n_layer or ckpt.arena.shape[0] != CONFIG.n_layer or elsewhere:
             problems.append(f"step {step}: checkpoints not all in one arena of {CONFIG.n_layer} slots")
         loss.backward()

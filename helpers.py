@@ -1,0 +1,84 @@
+"""What the tests share: Net, the model with every awkward case, and the helpers that train it
+beside torch's DDP and compare the results bit for bit. Functions here run on spawned ranks
+(conftest.py), which find them by module name: keep this file importable from the repository root.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+VOCAB, DIM, HIDDEN = 23, 9, 13
+
+
+class Net(nn.Module):
+    """Every awkward case at once: odd sizes (Ψ = 751, so shards straddle parameters and need
+    padding at every Nd > 1), a tied weight, a frozen layer, two layers used only in some
+    steps, and a buffer that forward updates and the output depends on."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.fc1 = nn.Linear(DIM, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, DIM)
+        self.ln = nn.LayerNorm(DIM)
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.sometimes = nn.Linear(DIM, DIM)  # unused on some ranks in some steps
+        self.rarely = nn.Linear(DIM, DIM)  # unused on every rank in even steps
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.register_buffer("seen", torch.zeros(DIM))
+
+    def forward(self, idx, use_sometimes, use_rarely):
+        h = self.emb(idx)  # (B, T, DIM)
+        if self.training:  # a running mean of the embeddings: differs per rank until synchronised
+            self.seen.mul_(0.9).add_(h.detach().mean((0, 1)), alpha=0.1)
+        h = h + self.fc2(torch.tanh(self.fc1(self.ln(h))))
+        h = self.frozen(h)
+        if use_sometimes:
+            h = h + self.sometimes(h)
+        if use_rarely:
+            h = h + self.rarely(h)
+        return self.head(h + self.seen)  # (B, T, VOCAB)
+
+
+def usage(step, rank, symmetric):
+    """Which optional layers run. Stage 3 gathers each module's parameters collectively, so
+    there every rank must run the same modules (symmetric); stages 0-2 also allow a layer that
+    only some ranks use."""
+    sometimes = step % 3 != 1 if symmetric else (step + rank) % 3 != 1
+    return sometimes, step % 2 == 1
+
+
+def make_model():
+    torch.manual_seed(100 + dist.get_rank())  # ranks start different: both sides take rank 0's
+    return Net()
+
+
+def rank_order_hook(state, bucket):
+    """DDP's own all_reduce, at world size 3 and more, sums each element in an order that
+    depends on the bucket layout (gloo's ring; and DDP rebuilds its buckets after the first
+    step), which no other layout reproduces. This comm hook makes DDP sum in rank order,
+    ((g_0 + g_1) + g_2) + ..., then divide by Nd: the arithmetic zero.py does. DDP hands a hook
+    the undivided local gradients."""
+    nd = dist.get_world_size()
+    t = bucket.buffer()
+    parts = [torch.empty_like(t) for _ in range(nd)]
+    dist.all_gather(parts, t)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total.add_(part)
+    fut = torch.futures.Future()
+    fut.set_result(total.div_(nd))
+    return fut
+
+
+def compare(where, got, want):
+    """Where got differs from want (tensors, or dicts of them), each tensor by torch.equal; [] if nowhere."""
+    if isinstance(want, dict):
+        if set(got) != set(want):
+            return [f"{where}: keys {sorted(got)} != {sorted(want)}"]
+        return [m for k in want for m in compare(f"{where}.{k}", got[k], want[k])]
+    if not torch.equal(got, want):
+        diff = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else "shape"
+        return [f"rank {dist.get_rank()} {where}: not equal (max abs diff {diff})"]
+    return []

@@ -1,0 +1,80 @@
+"""
+ranks.py -- gloo ranks on this machine, for the tools that measure zero.py: conftest.py keeps a
+pool of them for the tests, memory_table.py runs its measured sections on them, bench.py runs
+each system in a process group of its own (bench.Nodes: one rank per emulated node).
+
+    run_on_ranks(2, fn, *args)   # fn(*args) on 2 spawned gloo ranks: [rank 0's result, rank 1's]
+
+fn must be a module-level function (spawn pickles it by name). Each rank sees the environment
+torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+"""
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port():
+    """A TCP port no one listens on now, for rank 0's store."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank, nd, port, master=LOOPBACK, timeout=None, env=None):
+    """Join a gloo process group of nd ranks as `rank`, through torchrun's variables (env://),
+    so that code reading them (DeepSpeed, train.py) sees what torchrun would have set.
+    timeout: a datetime.timedelta after which a collective that not every rank joined raises
+    (None: torch's default); env: more variables for this rank (GLOO_SOCKET_IFNAME)."""
+    torch.set_num_threads(1)  # nd ranks share the cores; also avoids OpenMP hangs in spawned children
+    os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(nd), **(env or {}))
+    dist.init_process_group("gloo", timeout=timeout)
+
+
+def rank_main(rank, nd, port, fn, args, results, master=LOOPBACK, setup=None, env=None):
+    """The body of one rank: setup() if given (bench.py moves into a network namespace before
+    any socket opens), init_gloo, then fn(*args). Puts (rank, True, its result) on `results`,
+    or (rank, False, the traceback) if any of it raised."""
+    try:
+        if setup is not None:
+            setup()
+        init_gloo(rank, nd, port, master, env=env)
+        results.put((rank, True, fn(*args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def collect(procs, results, timeout=None):
+    """Start the rank processes procs and return what each put on `results`, in rank order; a
+    rank's failure kills them all and is raised."""
+    for p in procs:
+        p.start()
+    out = {}
+    for _ in procs:
+        rank, ok, value = results.get(timeout=timeout)
+        if not ok:  # the other ranks may wait forever in a collective this one left
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"rank {rank} of {len(procs)} failed:\n{value}")
+        out[rank] = value
+    for p in procs:
+        p.join()
+    return [out[r] for r in range(len(procs))]
+
+
+def run_on_ranks(nd, fn, *args, timeout=600):
+    """fn(*args) on nd new gloo ranks on the loopback; their results in rank order. timeout:
+    seconds to wait for each result (None: no limit, for bench.py's long-lived ranks)."""
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, nd, port, fn, args, results)) for r in range(nd)]
+    return collect(procs, results, timeout)
