@@ -517,7 +517,7 @@ def measure_section(args):
             "and, in bf16, its fp32 master copy; parameters = the rest (nn.Parameters, or stage 3's shard).\n"
             "formula: Section 5 with fp32 parameters and gradients (4 + 4 bytes, K = 8: momentum and variance) or\n"
             "bf16 (2 + 2 bytes, K = 12: fp32 master, momentum, variance). Ratios above 1 are padding (the flat\n"
-            "space is padded to a multiple of Nd) and AdamW's 4-byte step counter per parameter piece.\n"
+            "space is padded to a multiple of 8 x Nd) and AdamW's 4-byte step counter per parameter piece.\n"
             "activations: live bytes at the end of forward minus its start (what forward keeps for backward).")
     sections = {"measure": dict(heading="Measured on real ranks: per-rank model states against the formula (Section 5)",
                                 rows=rows, text=text)}
@@ -539,23 +539,26 @@ def measure_section(args):
 
 def padded_per_unit(preset, nd):
     """Ψ padded as stage 3 lays it out: each unit it gathers (a block, the tied embedding, the
-    positions, ln_f) a run of buckets padded to a multiple of Nd."""
+    positions, ln_f) a run of buckets padded to a multiple of zero.ALIGN x Nd."""
+    import zero
     from gpt import GPT
     model = GPT(_config(preset), device="meta")
     units = [[model.wte.weight], [model.wpe.weight], *[list(b.parameters()) for b in model.h],
              list(model.ln_f.parameters())]
-    return sum(math.ceil(sum(p.numel() for p in u) / nd) * nd for u in units)
+    return sum(math.ceil(sum(p.numel() for p in u) / (zero.ALIGN * nd)) * zero.ALIGN * nd for u in units)
 
 
 def comm_section(args):
     """Elements each rank sends per step, as a multiple of Ψ."""
+    import zero
     from gpt import PRESETS, num_params
     from ranks import run_on_ranks
     psi = num_params(PRESETS[args.model])
     rows = []
     for nd in [n for n in args.world if n > 1]:
         per_rank = run_on_ranks(nd, each_on_rank, comm_on_rank, [(stage, args.model) for stage in (0, 1, 2, 3)])
-        padded = math.ceil(psi / nd) * nd  # stages 0-2: one run of buckets, padded to a multiple of Nd
+        m = zero.ALIGN * nd  # every chunk a multiple of ALIGN elements
+        padded = math.ceil(psi / m) * m  # stages 0-2: one run of buckets, padded to a multiple of ALIGN x Nd
         padded_units = padded_per_unit(args.model, nd)  # stage 3: each unit padded on its own
         ring = Fraction(nd - 1, nd)
         for stage in (0, 1, 2, 3):
@@ -583,7 +586,7 @@ def comm_section(args):
             "as Section 7): all_gather and broadcast (n-1)/n of the tensor per rank, all_reduce 2(n-1)/n,\n"
             "all_to_all the elements sent to other ranks. expected (✓ = equal as exact fractions): (n-1)/n x 2Ψ\n"
             "for stages 0-2 (reduce-scatter + all-gather), (n-1)/n x 3Ψ for stage 3 (Section 7.2), each Ψ padded\n"
-            "to a multiple of Nd (stage 3: each unit it gathers);\n"
+            "to a multiple of 8 x Nd (stage 3: each unit it gathers);\n"
             "paper: 2Ψ and 3Ψ at the same (n-1)/n. control: the int32 used-parameter flags (all_reduce), not data.")
     return {"comm": dict(heading="Communication volume per step (Section 7)", rows=rows, text=text)}
 

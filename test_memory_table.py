@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import memory_table as mt
+import zero
 
 K = 12
 # The paper's Table 1 (GB), typed again: {Ψ: {Nd: (P_os, P_os+g, P_os+g+p)}}
@@ -208,7 +209,7 @@ def test_communication_volume_is_section_7_exactly(world, nd):
     """Elements sent per rank in one step, mean over ranks, under the ring convention (Section 7;
     the shared paper notes): all_gather and reduce-scatter (n-1)/n of the tensor, all_to_all what
     goes to other ranks. Every collective covers whole buckets, and a run of buckets is padded to
-    a multiple of Nd: stages 0-2 lay all parameters out as one run, so they reduce-scatter the
+    a multiple of zero.ALIGN x Nd: stages 0-2 lay all parameters out as one run, so they reduce-scatter the
     padded flat space in backward and all-gather it at the step (gradients at stage 0, parameters
     at 1-2); stage 3 lays out each unit it gathers (a block, the tied embedding, the positions,
     ln_f) as a run of its own, and gathers them in forward and again in backward."""
@@ -220,8 +221,9 @@ def test_communication_volume_is_section_7_exactly(world, nd):
     model = GPT(config, device="meta")
     units = [[model.wte.weight], [model.wpe.weight], *[list(b.parameters()) for b in model.h], list(model.ln_f.parameters())]
     assert sum(p.numel() for u in units for p in u) == psi
-    ring, padded = Fraction(nd - 1, nd), -(-psi // nd) * nd
-    padded_units = sum(-(-sum(p.numel() for p in u) // nd) * nd for u in units)
+    m = zero.ALIGN * nd  # every chunk a multiple of ALIGN elements: a run is padded to a multiple of m
+    ring, padded = Fraction(nd - 1, nd), -(-psi // m) * m
+    padded_units = sum(-(-sum(p.numel() for p in u) // m) * m for u in units)
     for stage in (0, 1, 2, 3):
         per_rank = world(nd).run(mt.comm_on_rank, stage, config)
         phase = {p: sum(v for r in per_rank for (ph, name), v in r.items() if ph == p and name != "all_reduce") / nd

@@ -55,6 +55,7 @@ ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, 
                           torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
 
 DEFAULT_BUCKET_NUMEL = 2**22  # elements per bucket (16 MB in fp32): C_B, Section 6.2
+ALIGN = 8  # elements: every rank's chunk of a bucket starts on a 16-byte boundary (32 in fp32)
 REDUCTIONS = ("exact", "native")
 
 
@@ -192,7 +193,9 @@ class FlatPartition:
         self.index = {p: i for i, p in enumerate(params)}
         self.offsets = [0] * len(params)  # flat start of each parameter
         self.buckets, self.segments_of = [], [[] for _ in params]  # segments_of[i]: (bucket, flat start, end)
-        full = max(1, bucket_numel // self.nd) * self.nd  # a full bucket: a multiple of Nd, no padding
+        # every chunk a multiple of ALIGN elements, so every chunk starts 16-byte aligned in the
+        # flat space and in the own space; a full bucket needs no padding and stays <= bucket_numel
+        full = max(ALIGN, bucket_numel // self.nd // ALIGN * ALIGN) * self.nd
         flat = own = 0
         for run, trainable in runs:
             first, at = len(self.buckets), flat
@@ -200,7 +203,7 @@ class FlatPartition:
                 self.offsets[self.index[p]], at = at, at + p.numel()
             numel = at - flat
             for lo in range(0, numel, full):
-                chunk = math.ceil(min(full, numel - lo) / self.nd)
+                chunk = math.ceil(min(full, numel - lo) / self.nd / ALIGN) * ALIGN
                 self.buckets.append(Bucket(flat, min(full, numel - lo), chunk, own, trainable))
                 flat, own = flat + chunk * self.nd, own + chunk
             k = first
