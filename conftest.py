@@ -15,12 +15,12 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ranks import free_port, init_gloo
+from ranks import free_port, init_ranks
 
 
 def _rank_main(rank, nd, port, inbox, outbox):
     """A rank of the pool: run each (fn, args) from the inbox, until None, reporting on outbox."""
-    init_gloo(rank, nd, port, timeout=datetime.timedelta(seconds=300))
+    init_ranks(rank, nd, port, timeout=datetime.timedelta(seconds=300))
     while (job := inbox.get()) is not None:
         fn, args = job
         try:

@@ -287,7 +287,7 @@ DTYPES = {"fp32": ("float32", 4, 4, 8), "bf16": ("bfloat16", 2, 2, 12)}   # name
 
 def _bytes(storage):
     import torch
-    return torch.empty(0, dtype=torch.uint8).set_(storage)   # (nbytes,) a view of the raw bytes
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)   # (nbytes,) a view of the raw bytes
 
 
 def split_model_states(new, before_backward, dtype):
@@ -319,39 +319,45 @@ def _config(preset):
 
 
 def measure_on_rank(stage, dtype_name, preset, batch_size=4, seq_len=64):
-    """One configuration on this rank: (Ψ, model-state split, activation bytes)."""
+    """One configuration on this rank: (Ψ, model-state split, activation bytes, the CUDA
+    allocator's bytes after backward beyond those before the model (None on the CPU))."""
     import torch
     import torch.distributed as dist
     import zero
     from gpt import GPT
     dtype, config = getattr(torch, DTYPES[dtype_name][0]), _config(preset)
-    before = zero.live_storages()   # held: no new storage can take one of their ids
-    module = GPT(config, seed=0)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    before = zero.live_storages(device.type)   # held: no new storage can take one of their ids
+    allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    module = GPT(config, seed=0, device="meta")
     psi = sum(p.numel() for p in module.parameters())
     model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=stage, lr=1e-3,
                                        param_dtype=None if dtype == torch.float32 else dtype,
-                                       stage3_units=module.h)
+                                       stage3_units=module.h, init_fn=module.init_weights, device=device)
     memory = zero.MemoryHooks(model, every_module=False)
     g = torch.Generator().manual_seed(dist.get_rank())
-    idx = torch.randint(config.vocab_size, (batch_size, seq_len + 1), generator=g)
+    idx = torch.randint(config.vocab_size, (batch_size, seq_len + 1), generator=g).to(device)
     before[_storage(idx)] = idx.untyped_storage()
     for step in range(2):
         memory.recording = step == 1
         loss = model(idx[:, :-1], idx[:, 1:])[1]
         if step == 1:
             memory.recording = False
-            snapshot = {s: _bytes(st).clone() for s, st in zero.live_storages().items() if s not in before}
+            snapshot = {s: _bytes(st).clone() for s, st in zero.live_storages(device.type).items() if s not in before}
         optimizer.backward(loss)
         del loss
+        if step == 1 and device.type == "cuda":  # beyond what was there, the input and the snapshot
+            extra = idx.untyped_storage().nbytes() + sum(c.untyped_storage().nbytes() for c in snapshot.values())
+            allocated = torch.cuda.memory_allocated(device) - allocated - extra
         if step == 0:
             optimizer.step()          # the optimizer states exist from here on
             optimizer.zero_grad()
     copies = {_storage(c) for c in snapshot.values()}
-    new = {s: st for s, st in zero.live_storages().items() if s not in before and s not in copies}
+    new = {s: st for s, st in zero.live_storages(device.type).items() if s not in before and s not in copies}
     split = split_model_states(new, snapshot, dtype)
     activations = memory.kept_by_forward()
     del model, optimizer, module, memory, new, snapshot
-    return psi, split, activations
+    return psi, split, activations, allocated if device.type == "cuda" else None
 
 
 def each_on_rank(fn, configs):
@@ -485,16 +491,18 @@ def measure_section(args):
     from gpt import num_params, PRESETS
     from ranks import run_on_ranks
     rows = []
+    import torch
+    backend = "nccl" if torch.cuda.device_count() >= max(args.world) else "gloo"  # a GPU per rank, or the CPU
     for nd in args.world:
         configs = [(stage, dt, args.model) for dt in DTYPES for stage in (0, 1, 2, 3)]
-        per_rank = run_on_ranks(nd, each_on_rank, measure_on_rank, configs)
+        per_rank = run_on_ranks(nd, each_on_rank, measure_on_rank, configs, backend=backend)
         for k, (stage, dt, model) in enumerate(configs):
             _, param_bytes, grad_bytes, K = DTYPES[dt]
             psi = per_rank[0][k][0]
             formula = model_state_terms(psi, nd, stage, K, param_bytes, grad_bytes)
             for rank, results in enumerate(per_rank):
-                split, activations = results[k][1], results[k][2]
-                rows.append(dict(nd=nd, rank=rank, stage=stage, name=STAGES[stage], dtype=dt, psi=psi,
+                split, activations, allocator = results[k][1:]
+                rows.append(dict(nd=nd, rank=rank, stage=stage, name=STAGES[stage], dtype=dt, psi=psi, allocator=allocator,
                                  params=split[0], grads=split[1], optim=split[2], total=sum(split),
                                  formula_params=formula[0], formula_grads=formula[1], formula_optim=formula[2],
                                  formula=sum(formula), ratio=sum(split) / sum(formula), activations=activations))
@@ -510,7 +518,12 @@ def measure_section(args):
     headers = ["dtype", "Nd", "stage", "params MB: measured / formula", "grads MB", "optimizer MB",
                "model states MB", "formula MB", "ratio", "activations MB"]
     psi = num_params(PRESETS[args.model])
-    text = (f"gpt.py '{args.model}' (Ψ = {psi:,}), AdamW, zero.py on Nd gloo ranks, after the second backward.\n" +
+    if backend == "nccl":  # the CUDA allocator's own figure beside the live tensors'
+        headers.append("CUDA allocator MB")
+        for row, r in zip(table, worst.values()):
+            row.append(f"{r['allocator'] / 1e6:.3f}")
+    where = "NCCL ranks, one GPU each" if backend == "nccl" else "gloo ranks on the CPU"
+    text = (f"gpt.py '{args.model}' (Ψ = {psi:,}), AdamW, zero.py on Nd {where}, after the second backward.\n" +
             tabulate(table, headers, disable_numparse=True) +
             "\nmeasured (the rank holding the most; --json has every rank): storages alive in the rank, sorted:\n"
             "gradients = what the backward wrote or created; optimizer states = a torch.optim.Optimizer's state\n"

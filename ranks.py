@@ -1,5 +1,5 @@
 """
-ranks.py -- gloo ranks on this machine, for the tools that measure zero.py: conftest.py keeps a
+ranks.py -- ranks on this machine (gloo; NCCL, one GPU each, where asked), for the tools that measure zero.py: conftest.py keeps a
 pool of them for the tests, memory_table.py runs its measured sections on them, bench.py runs
 each system in a process group of its own (bench.Nodes: one rank per emulated node).
 
@@ -26,25 +26,30 @@ def free_port():
         return s.getsockname()[1]
 
 
-def init_gloo(rank, nd, port, master=LOOPBACK, timeout=None, env=None):
-    """Join a gloo process group of nd ranks as `rank`, through torchrun's variables (env://),
-    so that code reading them (DeepSpeed, train.py) sees what torchrun would have set.
+def init_ranks(rank, nd, port, master=LOOPBACK, timeout=None, env=None, backend="gloo"):
+    """Join a process group of nd ranks as `rank`, through torchrun's variables (env://), so
+    that code reading them (DeepSpeed, train.py) sees what torchrun would have set.
     timeout: a datetime.timedelta after which a collective that not every rank joined raises
-    (None: torch's default); env: more variables for this rank (GLOO_SOCKET_IFNAME)."""
+    (None: torch's default); env: more variables for this rank (GLOO_SOCKET_IFNAME);
+    backend "nccl": rank r on GPU r."""
     torch.set_num_threads(1)  # nd ranks share the cores; also avoids OpenMP hangs in spawned children
     os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(nd), **(env or {}))
-    dist.init_process_group("gloo", timeout=timeout)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
 
 
-def rank_main(rank, nd, port, fn, args, results, master=LOOPBACK, setup=None, env=None):
+def rank_main(rank, nd, port, fn, args, results, master=LOOPBACK, setup=None, env=None, backend="gloo"):
     """The body of one rank: setup() if given (bench.py moves into a network namespace before
-    any socket opens), init_gloo, then fn(*args). Puts (rank, True, its result) on `results`,
+    any socket opens), init_ranks, then fn(*args). Puts (rank, True, its result) on `results`,
     or (rank, False, the traceback) if any of it raised."""
     try:
         if setup is not None:
             setup()
-        init_gloo(rank, nd, port, master, env=env)
+        init_ranks(rank, nd, port, master, env=env, backend=backend)
         results.put((rank, True, fn(*args)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -71,10 +76,11 @@ def collect(procs, results, timeout=None):
     return [out[r] for r in range(len(procs))]
 
 
-def run_on_ranks(nd, fn, *args, timeout=600):
-    """fn(*args) on nd new gloo ranks on the loopback; their results in rank order. timeout:
+def run_on_ranks(nd, fn, *args, timeout=600, backend="gloo"):
+    """fn(*args) on nd new ranks on the loopback; their results in rank order. timeout:
     seconds to wait for each result (None: no limit, for bench.py's long-lived ranks)."""
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, nd, port, fn, args, results)) for r in range(nd)]
+    procs = [ctx.Process(target=rank_main, args=(r, nd, port, fn, args, results),
+                         kwargs=dict(backend=backend)) for r in range(nd)]
     return collect(procs, results, timeout)

@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--bucket_numel", type=int, default=zero.DEFAULT_BUCKET_NUMEL,
                    help="C_B: elements per communication bucket")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True): the same bits on every run (on GPUs, slower)")
     p.add_argument("--eval_every", type=int, default=100, help="validation loss every this many steps")
     p.add_argument("--data", default=None, help="a text file (default: the Python standard library's source)")
     p.add_argument("--out", default=None, help="write the run's log as JSON to this file")
@@ -119,6 +121,7 @@ def latest_checkpoint(save_dir):
 
 def main(argv=None):
     args = parse_args(argv)
+    torch.use_deterministic_algorithms(args.deterministic)
     backend, device = setup_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % args.tp:

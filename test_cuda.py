@@ -1,0 +1,90 @@
+"""The CUDA path: NCCL, the CUDA allocator, train.py on every GPU. Skipped, with the reason, on
+a machine without GPUs (CI has none).
+
+    python -m pytest test_cuda.py          # on a machine with one or more GPUs
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import memory_table as mt
+import zero
+from ranks import run_on_ranks
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA GPU here: the NCCL and CUDA-allocator paths run only on one")
+NGPU = torch.cuda.device_count()
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_train(tmp_path, *flags):
+    out = tmp_path / f"log{'_'.join(flags).replace('-', '')}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NGPU}",
+           os.path.join(HERE, "train.py"), "--steps", "20", "--eval_every", "10", "--out", str(out), *flags]
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # for --deterministic
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=HERE, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_train_runs_on_every_gpu(tmp_path, stage):
+    log = run_train(tmp_path, "--stage", str(stage))
+    losses = [row["loss"] for row in log["log"]]
+    print(f"stage {stage} on {NGPU} GPUs: losses {losses[0]:.4f} -> {losses[-1]:.4f}, sample {log['sample'][:40]!r}")
+    assert log["backend"] == "nccl" and losses[-1] < losses[0] and log["sample"].startswith("def ")
+
+
+def test_stages_give_the_same_losses_under_deterministic_algorithms(tmp_path):
+    curves = {s: [row["loss"] for row in run_train(tmp_path, "--stage", str(s), "--deterministic")["log"]]
+              for s in (0, 1, 2, 3)}
+    assert curves[0] == curves[1] == curves[2] == curves[3], curves
+
+
+def on_rank_exact_reduction(numel):
+    """zero's exact reduce-scatter of one bucket on NCCL, and the rank-order fold of every
+    rank's bucket computed here from an all-gather of them."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    nd, rank = dist.get_world_size(), dist.get_rank()
+    param = torch.nn.Parameter(torch.empty(numel, device=device))
+    part = zero.FlatPartition([param], [([param], True)], None, numel, "exact", device)
+    chunk = part.buckets[0].chunk
+    g = torch.Generator(device=device).manual_seed(rank)
+    bucket = torch.randn(chunk * nd, device=device, generator=g)
+    everyone = [torch.empty_like(bucket) for _ in range(nd)]
+    dist.all_gather(everyone, bucket)
+    want = everyone[0][rank * chunk:(rank + 1) * chunk].clone()
+    for j in range(1, nd):
+        want += everyone[j][rank * chunk:(rank + 1) * chunk]
+    want /= nd
+    got = torch.empty(chunk, device=device)
+    part.finish_reduce(part.reduce_scatter(bucket, 0), got, add=False)
+    return bool(torch.equal(got, want))
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs or more for a reduction across ranks")
+def test_exact_reduction_on_nccl_equals_the_rank_order_fold():
+    assert run_on_ranks(NGPU, on_rank_exact_reduction, 1_000_003, backend="nccl") == [True] * NGPU
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_cuda_memory_after_backward_is_section_5(stage):
+    """The CUDA allocator after the second backward, beyond what was there before the model:
+    Section 5's model states (fp32 AdamW, K = 8), up to padding and the step counters."""
+    for psi, split, activations, allocated in run_on_ranks(NGPU, mt.measure_on_rank, stage, "fp32", "tiny",
+                                                           backend="nccl"):
+        formula = sum(mt.model_state_terms(psi, NGPU, stage, 8, 4, 4))
+        print(f"stage {stage}: allocator {allocated} B, live tensors {sum(split)} B, formula {formula:.0f} B")
+        assert 0.99 * formula <= allocated <= 1.02 * formula + 8 * zero.ALIGN * NGPU * 100
+
+
+def test_memory_table_measure_runs_on_nccl():
+    out = subprocess.run([sys.executable, "memory_table.py", "--measure", "--world", str(NGPU)],
+                         capture_output=True, text=True, timeout=600, cwd=HERE)
+    assert out.returncode == 0 and "NCCL ranks, one GPU each" in out.stdout, out.stderr[-2000:]
+    print(out.stdout)
