@@ -19,10 +19,12 @@ reduction="native" uses the backend's own reduce-scatter (NCCL's ring or tree): 
 bytes and traffic, faster on GPUs, with sums in the backend's order.
 
 The file follows the paper: Section 3 (where the memory goes), 3.1 (mixed precision), 5 and 7
-(the flat partition and its two collectives), 5.1 (P_os: the optimizer over this rank's
-partition), 5.2 (P_os+g: gradient buckets reduced in backward), 5.3 (P_os+g+p: parameters
-gathered around each module), 6 (ZeRO-R); `initialize` at the end composes the parts a stage
-needs. Run the tests with `python -m pytest -n 2 test_zero.py`.
+(the flat partition and its two collectives, and shard-only initialisation from the meta
+device), 5.1 (P_os: the optimizer over this rank's partition), 5.2 (P_os+g: gradient buckets
+reduced in backward), 5.3 (P_os+g+p: parameters gathered around each module), 6 (ZeRO-R);
+`initialize` composes the parts a stage needs; sharded checkpoints come last. Run the tests
+with `python -m pytest -n 2 test_zero.py`; consolidate a checkpoint with
+`python zero.py consolidate DIR OUT.pt`.
 """
 import bisect
 import collections
