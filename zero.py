@@ -592,31 +592,19 @@ class ZeroOptimizer:
 
     def full_optimizer_state(self):
         """{parameter name: {state key: full tensor}}, as the optimizer would hold it whole."""
-        kinds = {}  # per parameter: state key -> "elementwise" or the scalar state's value
-        for piece, w in zip(self.pieces, self.weights):
-            for key, v in self.optim.state.get(w, {}).items():
-                elementwise = torch.is_tensor(v) and v.shape == w.shape
-                kinds.setdefault(piece.index, {})[key] = "elementwise" if elementwise else v
-        everyone = [None] * self.partition.nd
-        dist.all_gather_object(everyone, kinds, group=self.partition.group)
+        everyone = [None] * self.partition.nd  # which parameters have state, and its scalars (AdamW's step)
+        dist.all_gather_object(everyone, self._scalar_states(), group=self.partition.group)
         merged = {}
-        for d in everyone:
-            for i, keys in d.items():
-                merged.setdefault(i, {}).update(keys)
-        full = {}
-        for key in sorted({k for d in merged.values() for k, v in d.items() if v == "elementwise"}):
-            own = torch.zeros(self.own_numel, device=self.master.device if self.master is not None else
-                              self.partition.device)  # one gather per elementwise state
-            for piece, w in zip(self.pieces, self.weights):
-                if key in self.optim.state.get(w, {}):
-                    own[piece.own] = self.optim.state[w][key]
-            full[key] = self._to_flat(own)
-        names = {p: n for n, p in self.module.named_parameters()}
-        result = {}
-        for i, keys in sorted(merged.items()):
-            p, a = self.partition.params[i], self.partition.offsets[i]
-            result[names[p]] = {k: full[k][a:a + p.numel()].view(p.shape).clone() if isinstance(v, str) else v
-                                for k, v in keys.items()}
+        for scalars in everyone:
+            for name, keys in scalars.items():
+                merged.setdefault(name, {}).update(keys)
+        params = {n: p for n, p in self.module.named_parameters() if n in merged}  # in module order
+        result = {name: merged[name] for name in params}
+        for key in self._state_keys():  # one gather per elementwise state
+            full = self._to_flat(self._own_state(key))
+            for name, p in params.items():
+                a = self.partition.offsets[self.partition.index[p]]
+                result[name][key] = full[a:a + p.numel()].view(p.shape).clone()
         return result
 
     # For checkpoints: this rank's shard, read and written through its own space.
