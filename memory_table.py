@@ -6,7 +6,9 @@ ZeRO (Rajbhandari et al. 2020) sizes every stage of ZeRO-DP by one formula per s
 Figure 1). This file evaluates those formulas for the paper's Table 1 (per-device model-state
 memory) and Table 2 (largest model that fits on 32 GB devices) and marks where they agree with
 the published cells; measures zero.py's model states, activations and communication on gloo
-ranks; and runs zero.py's own partitioning of 7.5B-1T models on the meta device in a fake world.
+ranks; runs zero.py's own partitioning of 7.5B-1T models on the meta device in a fake world;
+and, as Table 2's measured columns, finds the largest model each stage trains under a real
+per-rank memory cap.
 
     python memory_table.py                      # every section
     python memory_table.py --formula            # Tables 1 and 2 by formula
@@ -17,11 +19,15 @@ ranks; and runs zero.py's own partitioning of 7.5B-1T models on the meta device 
     python memory_table.py --simulate --sizes 1t   # one of them
 
     python memory_table.py --measure --comm --world 2 4   # real gloo ranks: bytes and traffic
+
+    python memory_table.py --fit                # Table 2 measured: the largest model per stage under
+                                                # a real 200 MB cap per rank, Nd 4 (minutes; --budget, --nd)
 GB means 10^9 bytes throughout, as in the paper.
 """
 import argparse
 import collections
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -604,6 +610,369 @@ def comm_section(args):
     return {"comm": dict(heading="Communication volume per step (Section 7)", rows=rows, text=text)}
 
 
+# ---------------------------------------------------------------------------
+# Table 2, measured -- the largest model that trains under a real per-rank memory cap.
+# The paper's measured columns (1.3B baseline and 6.2B with P_os on 32 GB V100s, against 2B
+# and 7.6B by formula) in miniature. Each try starts Nd fresh gloo ranks (run_on_ranks). A rank
+# loads what training needs (torch, gloo, the kernels: a warm-up on a one-block model), reads
+# its address space (VmSize), caps it at that plus the budget (RLIMIT_AS), then builds a
+# gpt.py model and trains it two steps as train.py does: zero.initialize, AdamW with train.py's
+# settings, clipping, step. An allocation past the cap fails ("DefaultCPUAllocator: can't
+# allocate memory"); a failure on any rank means "did not fit", and run_on_ranks kills the
+# others. The search grows n_layer at a fixed width: one gpt.py preset, every other field kept.
+# ---------------------------------------------------------------------------
+
+FIT_BUDGET_MB = 200   # per rank: the default run fits a handful of blocks at stage 0
+M_ARENA_MAX, M_MMAP_THRESHOLD = -8, -3   # glibc's mallopt parameters (malloc.h)
+
+
+@dataclasses.dataclass(frozen=True)
+class FitSetting:
+    """What every try of one search shares. budget: bytes of address space per rank on top of
+    what the rank holds before the model is built (None: no cap)."""
+    nd: int = 4
+    budget: int | None = round(FIT_BUDGET_MB * 1e6)
+    dtype: str = "fp32"               # a DTYPES key: fp32 AdamW, or bf16 with an fp32 master (K = 12)
+    family: str = "small"             # the gpt.py preset whose n_layer grows
+    batch_size: int = 1               # sequences per rank per step
+    seq_len: int = 128                # train.py's
+    bucket_numel: int | None = None   # C_B, elements per bucket; None: train.py's default
+
+
+def fit_config(family, n_layer):
+    """The shape family: gpt.py preset `family` with n_layer blocks (width, heads, vocab kept)."""
+    return dataclasses.replace(_config(family), n_layer=n_layer)
+
+
+def _vm(field="VmSize"):
+    """This process's address space (VmSize) or its high-water mark (VmPeak), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024   # "VmSize:  811520 kB"
+    raise RuntimeError(f"no {field} in /proc/self/status: the memory cap needs Linux")
+
+
+def _warm_up(setting, dtype):
+    """Run the kernels and collectives of a training step on a one-block model, so that what the
+    libraries map lazily (code, thread buffers) is there before the address space is read."""
+    import gc
+    import torch
+    import torch.distributed as dist
+    from gpt import GPT
+    config = fit_config(setting.family, 1)
+    module = GPT(config, seed=0).to(dtype)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    idx = torch.randint(config.vocab_size, (1, 9))
+    for _ in range(2):
+        module(idx[:, :-1], idx[:, 1:])[1].backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        optimizer.step()
+    nd = dist.get_world_size()
+    x, y = torch.ones(nd * 64, dtype=dtype), torch.empty(nd * nd * 64, dtype=dtype)   # (nd * 64,), (nd * nd * 64,)
+    for async_op in (False, True):
+        for work in (dist.all_to_all_single(torch.empty_like(x), x, async_op=async_op),
+                     dist.all_gather_single(y, x, async_op=async_op), dist.all_reduce(x, async_op=async_op),
+                     dist.broadcast(x, group_src=0, async_op=async_op)):
+            if work is not None:
+                work.wait()
+    del module, optimizer, x, y
+    gc.collect()
+
+
+def train_under_cap(setting, stage, n_layer, alarm_s=900):
+    """On this rank: cap the address space, build the model, train two steps as train.py does.
+    Returns what the address space showed, in bytes above the rank's own before the model:
+    psi, peak (VmPeak; the warm-up's, one block's worth, is below any fit's), init_peak (VmPeak
+    when zero.initialize returns), steady (before the second forward: the model states as
+    held), activations (what the second forward added) and
+    largest_temporary (the largest tensor handed to a collective in the second step that is
+    not zero's parameter or gradient storage: C_B). Raises MemoryError("did not fit ...")
+    when an allocation fails under the cap."""
+    import ctypes
+    import resource
+    import signal
+    import torch
+    import torch.distributed as dist
+    import train
+    import zero
+    from gpt import GPT
+    signal.alarm(alarm_s)   # a rank left waiting for a peer that died without a word ends itself
+    # glibc reserves 64 MB of address space for each thread's malloc arena (gloo's threads
+    # included): one arena for every thread, so the cap counts memory, not reservations. And a
+    # fixed mmap threshold: every allocation of 128 KB or more (every tensor that matters) is
+    # a mapping of its own, unmapped when freed. By default the threshold rises to the largest
+    # block freed so far; smaller tensors then go to the heap, whose freed pages stay mapped
+    # (counted against the cap, or reused beyond it: the warm-up's would be).
+    libc = ctypes.CDLL(None)
+    libc.mallopt(M_ARENA_MAX, 1)
+    libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+    defaults = train.parse_args([])   # train.py's AdamW, clipping and bucket size
+    dtype = getattr(torch, DTYPES[setting.dtype][0])
+    config = fit_config(setting.family, n_layer)
+    _warm_up(setting, dtype)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    idx = torch.randint(config.vocab_size, (setting.batch_size, setting.seq_len + 1), generator=g)   # (B, T + 1)
+    base = _vm()
+    limit = resource.getrlimit(resource.RLIMIT_AS)
+    if setting.budget is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (base + setting.budget, limit[1]))
+    phase, seen = "build", {}
+    try:
+        module = GPT(config, seed=defaults.seed)   # whole, on every rank, before zero shards it
+        psi = sum(p.numel() for p in module.parameters())
+        decay = [p for p in module.parameters() if p.dim() >= 2]
+        no_decay = [p for p in module.parameters() if p.dim() < 2]
+        phase = "initialize"
+        model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=stage,
+                                           param_groups=[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+                                           param_dtype=None if dtype == torch.float32 else dtype,
+                                           bucket_numel=setting.bucket_numel or defaults.bucket_numel,
+                                           stage3_units=module.h, lr=defaults.lr, betas=(0.9, 0.95),
+                                           weight_decay=defaults.weight_decay)
+        del module, decay, no_decay
+        seen["init_peak"] = _vm("VmPeak") - base
+        for step in (1, 2):
+            if step == 2:   # the steady state: parameters, gradients (stages 0-1) and optimizer states
+                optimizer.wait_params()   # what the forward waits for anyway (stages 1-2's gathers in flight)
+                seen["steady"] = _vm() - base
+            persistent = [_storage(t) for t in optimizer.parameters.storages() + optimizer.gradients.storages()]
+            with CommCounter(persistent) as comm:
+                phase = f"forward {step}"
+                loss = model(idx[:, :-1], idx[:, 1:])[1]
+                if step == 2:
+                    seen["activations"] = _vm() - base - seen["steady"]   # what forward keeps for backward
+                phase = f"backward {step}"
+                optimizer.backward(loss)
+                del loss
+                phase = f"step {step}"
+                optimizer.clip_grad_norm_(defaults.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad()
+        seen["largest_temporary"] = comm.largest
+    except (RuntimeError, MemoryError) as e:
+        resource.setrlimit(resource.RLIMIT_AS, limit)   # room to report it
+        if setting.budget is not None and (isinstance(e, MemoryError) or "can't allocate memory" in str(e)):
+            first_line = (str(e).splitlines() or [type(e).__name__])[0]
+            raise MemoryError(f"did not fit: out of memory in {phase} at n_layer {n_layer} "
+                              f"({first_line[:100]})") from None
+        raise
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limit)
+        signal.alarm(0)
+    return dict(psi=psi, peak=_vm("VmPeak") - base, **seen)
+
+
+def try_fit(setting, stage, n_layer, alarm_s=900):
+    """One try on setting.nd fresh ranks: (True, every rank's train_under_cap result) if all
+    trained two steps, (False, "did not fit: ...") if one ran out of memory under the cap."""
+    import queue
+    try:
+        return True, run_on_ranks(setting.nd, train_under_cap, setting, stage, n_layer, alarm_s, timeout=alarm_s + 60)
+    except queue.Empty:
+        raise RuntimeError(f"no result in {alarm_s + 60} s at stage {stage}, n_layer {n_layer}: a rank died "
+                           "without reporting (its peers end themselves at the alarm)") from None
+    except RuntimeError as e:
+        line = next((l for l in str(e).splitlines() if l.startswith("MemoryError: did not fit")), None)
+        if line is None:   # not the cap: a real error
+            raise
+        return False, line.removeprefix("MemoryError: ")
+
+
+def largest_fit(fits, start, guess=lambda lo: None, most=1024):
+    """The largest n >= 1 with fits(n) and the smallest n without: (largest or 0, smallest); fits
+    must hold up to some n and fail above it. From `start`; after a fit, next is guess(lo) (the
+    largest n that should fit, from what the fits measured) if it lies between the largest known
+    fit and the smallest known failure, or lo + 1 if it says lo; otherwise steps of 1, 2, 4, ...
+    up from a fit or down from a failure, then bisection. Every n is tried at most once."""
+    lo, hi, step, n = 0, math.inf, 1, max(1, start)
+    while hi - lo > 1:
+        if n > most:
+            raise RuntimeError(f"n_layer {n} would still be tried: is the cap working? (budget too large)")
+        if fits(n):
+            lo = n
+        else:
+            hi = n
+        estimate = guess(lo) if lo else None
+        if estimate is not None and lo < estimate < hi:
+            n = estimate
+        elif estimate is not None and estimate <= lo:
+            n = lo + 1
+        elif hi == math.inf:   # up from a fit
+            n, step = lo + step, 2 * step
+        elif lo == 0:   # down from a failure
+            n, step = max(1, hi - step), 2 * step
+        else:
+            n = (lo + hi) // 2
+    return lo, hi
+
+
+def section5_bytes(psi, nd, stage, dtype):
+    """Section 5's model states per rank for a DTYPES key: fp32 4 + 4 + 8 (K: momentum, variance)
+    bytes per parameter, bf16 2 + 2 + 12 (K: fp32 master, momentum, variance)."""
+    _, param_bytes, grad_bytes, K = DTYPES[dtype]
+    return model_state_bytes(psi, nd, stage, K, param_bytes, grad_bytes)
+
+
+def family_psi(family, n_layer):
+    """Ψ of the family with n_layer blocks. Ψ is linear in n_layer, so a real n_layer gives a Ψ
+    between two models'."""
+    from gpt import num_params
+    psi0 = num_params(fit_config(family, 0))   # embeddings, positions, ln_f
+    return psi0 + n_layer * (num_params(fit_config(family, 1)) - psi0)
+
+
+def predicted_psi(setting, stage, activations=(0, 0), temporary=0):
+    """Ψ whose bytes per rank fill the budget: Section 5's model states, plus activations of
+    a + b n_layer bytes and one temporary buffer (all linear in n_layer: solved for it)."""
+    per_psi = section5_bytes(1, setting.nd, stage, setting.dtype)   # bytes per parameter
+    psi0, psi_block = family_psi(setting.family, 0), family_psi(setting.family, 1) - family_psi(setting.family, 0)
+    n_layer = (setting.budget - per_psi * psi0 - activations[0] - temporary) / (per_psi * psi_block + activations[1])
+    return family_psi(setting.family, n_layer)
+
+
+def _n_layer_of(family, psi):
+    """The largest n_layer (at least 1) whose Ψ is at most psi."""
+    return max(1, math.floor((psi - family_psi(family, 0)) / (family_psi(family, 1) - family_psi(family, 0))))
+
+
+def _line(points):
+    """Least-squares (intercept, slope) through (n_layer, bytes); through 0 if only one n_layer."""
+    import statistics
+    xs, ys = zip(*points)
+    if len(set(xs)) == 1:
+        return 0.0, statistics.fmean(ys) / xs[0]
+    slope, intercept = statistics.linear_regression(xs, ys)
+    return intercept, slope
+
+
+def fit_stage(setting, stage, start, log=print):
+    """Search one stage: (largest n_layer that fits, smallest that does not, {n_layer: try})."""
+    tries = {}
+
+    def fits(n_layer):
+        t0 = time.perf_counter()
+        ok, result = try_fit(setting, stage, n_layer)
+        tries[n_layer] = dict(n_layer=n_layer, fits=ok, seconds=time.perf_counter() - t0,
+                              ranks=result if ok else None, failure=None if ok else result)
+        log(f"  {setting.dtype} {STAGES[stage]:8s} n_layer {n_layer:3d}: {'fits' if ok else result} "
+            f"({tries[n_layer]['seconds']:.1f} s)")
+        return ok
+
+    def guess(lo):
+        """lo + the blocks the budget left at lo's peak still holds, each costing what the peak grew
+        by a block between this stage's fits, or with one fit, Section 5's bytes plus lo's
+        activations per block."""
+        fitted = sorted((n, max(r["peak"] for r in t["ranks"])) for n, t in tries.items() if t["fits"])
+        (n0, p0), (n1, p1) = fitted[0], fitted[-1]
+        if n1 > n0:
+            per_block = (p1 - p0) / (n1 - n0)
+        else:
+            block = family_psi(setting.family, 1) - family_psi(setting.family, 0)
+            per_block = (section5_bytes(block, setting.nd, stage, setting.dtype) +
+                         max(r["activations"] for r in tries[lo]["ranks"]) / lo)
+        return lo + math.floor((setting.budget - p1) / per_block) if per_block > 0 else None
+
+    n_layer, fails_at = largest_fit(fits, start, guess)
+    return n_layer, fails_at, tries
+
+
+def fit_section(args):
+    """Issue 18: per dtype and stage, the largest model that trains under the cap, beside the formula's."""
+    import sys
+    rows, t_start = [], time.perf_counter()
+    for dtype in args.dtypes:
+        setting = FitSetting(nd=args.nd, budget=round(args.budget * 1e6), dtype=dtype, family=args.family,
+                             batch_size=args.batch_size, seq_len=args.seq_len, bucket_numel=args.bucket_numel)
+        kept = []   # (n_layer, activation bytes) of every try that trained, any stage: the rank holding the most
+        for stage in (0, 1, 2, 3):
+            t0 = time.perf_counter()
+            if stage == 0:   # half Section 5's largest model (which counts nothing else): its peak guides the next
+                start = _n_layer_of(setting.family, predicted_psi(setting, 0) / 2)
+            else:   # Section 5 plus the residuals seen so far, as far short as the stage before fell
+                last = rows[-1]
+                residuals = dict(activations=_line(kept) if kept else (0, 0), temporary=last["largest_temporary"])
+                start = _n_layer_of(setting.family, predicted_psi(setting, stage, **residuals) * last["psi"] /
+                                    predicted_psi(setting, stage - 1, **residuals))
+            n_layer, fails_at, tries = fit_stage(setting, stage, start,
+                                                 log=lambda line: print(line, file=sys.stderr, flush=True))
+            kept += [(n, max(r["activations"] for r in t["ranks"])) for n, t in tries.items() if t["fits"]]
+            rows.append(_fit_row(setting, stage, n_layer, fails_at, tries, time.perf_counter() - t0))
+        for r in rows[-4:]:   # the predictions, with every activation measured for this dtype
+            _predict(setting, r, _line(kept) if kept else (0, 0))
+    heading = (f"Table 2, measured: the largest model per stage that trains under a real {args.budget:g} MB cap "
+               f"per rank, Nd = {args.nd}")
+    return {"fit": dict(heading=heading, rows=rows, text=fit_text(rows, time.perf_counter() - t_start))}
+
+
+def _fit_row(setting, stage, n_layer, fails_at, tries, seconds):
+    """One stage's result; the bytes are the rank holding the most at the fit."""
+    import re
+    fit = max(tries[n_layer]["ranks"], key=lambda r: r["peak"]) if n_layer else {}
+    failure = tries[fails_at]["failure"]
+    return dict(dataclasses.asdict(setting), stage=stage, name=STAGES[stage], n_layer=n_layer,
+                psi=round(family_psi(setting.family, n_layer)) if n_layer else 0, fails_at=fails_at,
+                failure=failure, fails_in=re.search(r" in (.+?) at n_layer", failure)[1],
+                **{k: fit.get(k) for k in ("peak", "init_peak", "steady", "activations")},
+                largest_temporary=fit.get("largest_temporary", 0),
+                tries=[{k: t[k] for k in ("n_layer", "fits", "seconds")} for t in tries.values()], seconds=seconds)
+
+
+def _predict(setting, row, activations):
+    """The formula's largest model for the row's budget: Section 5 alone (as the paper's 7.6B), and
+    Section 5 plus the activations and the temporary buffer the measurement shows."""
+    for key, residuals in (("formula", {}), ("predicted", dict(activations=activations,
+                                                              temporary=row["largest_temporary"]))):
+        row[f"{key}_psi"] = predicted_psi(setting, row["stage"], **residuals)
+        row[f"{key}_ratio"] = row["psi"] / row[f"{key}_psi"]
+    row["activation_line"] = activations
+
+
+FIT_NOTE = """\
+n_layer, Ψ: the largest model that trained two steps on every rank under the cap; fails at: the
+next n_layer, which the search tried, and where it ran out of memory.
+Section 5 Ψ: the largest model whose model states alone fill the budget, as the paper's theoretical
+columns (fp32 AdamW: 16Ψ, 4Ψ + 4Ψ + 8Ψ/Nd, 4Ψ + 12Ψ/Nd, 16Ψ/Nd bytes; bf16 with an fp32 master:
+K = 12); ratio: measured / that, as the paper's 6.2B / 7.6B = 0.82 (P_os) and 1.3B / 2B = 0.65.
++ residual Ψ: Section 5 plus the activations (a + b n_layer, fitted to every try that trained) and
+the C_B buffer measured here; ratio: measured / that. vs baseline: Ψ over the baseline's, measured
+and by Section 5 (the paper's headline: Nd-fold at P_os+g+p; Table 2, MP 1: 6.2B / 1.3B = 4.8
+measured, 7.6B / 2B = 3.8 by formula).
+Bytes at each fit, the rank holding the most: Section 5's model states; held: the address space
+before the second forward; activations: what that forward added; C_B: the largest temporary
+handed to a collective; init peak: the high-water mark when zero.initialize returned; peak: after
+two steps (within the budget). zero.initialize builds the model whole on every rank, copies it
+into its flat or sharded buffers, then frees the module's: that transient (init peak) is part of
+what is measured, and where "fails at" says initialize, it is what stopped the next model."""
+
+
+def fit_text(rows, seconds):
+    import zero
+    r0, c = rows[0], fit_config(rows[0]["family"], 1)
+    setting = (f"gpt.py '{r0['family']}' (n_embd {c.n_embd}, {c.n_head} heads, vocab {c.vocab_size}), n_layer grown; "
+               f"Nd = {r0['nd']} gloo ranks, each capped at\nits address space before the model + "
+               f"{r0['budget'] / 1e6:g} MB; {r0['batch_size']} x {r0['seq_len']} tokens per rank, two steps with "
+               "train.py's\nAdamW and clipping, buckets of "
+               f"{r0['bucket_numel'] or zero.DEFAULT_BUCKET_NUMEL:,} elements.")
+    base = {r["dtype"]: r for r in rows if r["stage"] == 0}
+    mb = lambda x: "-" if x is None else f"{x / 1e6:.1f}"
+    table = [[r["dtype"], r["name"], r["n_layer"], f"{r['psi'] / 1e6:.2f}M", f"{r['fails_at']}: {r['fails_in']}",
+              f"{r['formula_psi'] / 1e6:.2f}M", f"{r['formula_ratio']:.2f}",
+              f"{r['predicted_psi'] / 1e6:.2f}M", f"{r['predicted_ratio']:.2f}",
+              f"{r['psi'] / base[r['dtype']]['psi']:.2f}" if base[r['dtype']]['psi'] else "-",
+              f"{r['formula_psi'] / base[r['dtype']]['formula_psi']:.2f}", len(r["tries"])] for r in rows]
+    headers = ["dtype", "stage", "n_layer", "Ψ", "fails at", "Section 5 Ψ", "ratio", "+ residual Ψ", "ratio",
+               "vs baseline", "Section 5 vs baseline", "tries"]
+    bytes_table = [[r["dtype"], r["name"], r["n_layer"], mb(section5_bytes(r["psi"], r["nd"], r["stage"], r["dtype"])),
+                    *[mb(r[k]) for k in ("steady", "activations", "largest_temporary", "init_peak", "peak")]]
+                   for r in rows]
+    bytes_headers = ["dtype", "stage", "n_layer", "Section 5 MB", "held MB", "activations MB", "C_B MB", "init peak MB",
+                     "peak MB"]
+    return "\n".join([setting, tabulate(table, headers, disable_numparse=True), "",
+                      tabulate(bytes_table, bytes_headers, disable_numparse=True), FIT_NOTE,
+                      f"wall time {seconds:.0f} s ({sum(len(r['tries']) for r in rows)} tries)"])
+
+
 SECTIONS = {  # flag -> section, in the order they print
     "formula": formula_section,
     "measure": measure_section,
@@ -621,11 +990,22 @@ def main(argv=None):
     parser.add_argument("--model", default="tiny", help="the gpt.py preset --measure and --comm train")
     parser.add_argument("--sizes", nargs="+", default=[m[0] for m in SIMULATED], choices=[m[0] for m in SIMULATED],
                         help="models --simulate runs")
+    fit = parser.add_argument_group("--fit: the largest model per stage under a real memory cap (on request only)")
+    fit.add_argument("--fit", action="store_true", help="search, per stage and dtype, the largest model that trains")
+    fit.add_argument("--budget", type=float, default=FIT_BUDGET_MB, help="MB of address space per rank")
+    fit.add_argument("--nd", type=int, default=FitSetting.nd, help="data-parallel ranks")
+    fit.add_argument("--family", default=FitSetting.family, help="the gpt.py preset whose n_layer grows")
+    fit.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    fit.add_argument("--batch_size", type=int, default=FitSetting.batch_size, help="sequences per rank per step")
+    fit.add_argument("--seq_len", type=int, default=FitSetting.seq_len)
+    fit.add_argument("--bucket_numel", type=int, default=FitSetting.bucket_numel, help="C_B (default: train.py's)")
     args = parser.parse_args(argv)
-    chosen = [name for name in SECTIONS if getattr(args, name)] or list(SECTIONS)   # none given = all
+    chosen = [SECTIONS[name] for name in SECTIONS if getattr(args, name)]
+    if not chosen and not args.fit:   # none given = all but --fit, which trains models for minutes
+        chosen = list(SECTIONS.values())
     tables = {}
-    for name in chosen:
-        tables.update(SECTIONS[name](args))
+    for section in chosen + ([fit_section] if args.fit else []):
+        tables.update(section(args))
     if args.json:
         print(json.dumps({key: dict(heading=t["heading"], rows=t["rows"]) for key, t in tables.items()},
                          ensure_ascii=False))
