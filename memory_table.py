@@ -719,7 +719,7 @@ def train_under_cap(setting, stage, n_layer, alarm_s=900):
         resource.setrlimit(resource.RLIMIT_AS, (base + setting.budget, limit[1]))
     phase, seen = "build", {}
     try:
-        module = GPT(config, seed=defaults.seed)   # whole, on every rank, before zero shards it
+        module = GPT(config, seed=defaults.seed, device="meta")   # as train.py: initialised shard by shard
         psi = sum(p.numel() for p in module.parameters())
         decay = [p for p in module.parameters() if p.dim() >= 2]
         no_decay = [p for p in module.parameters() if p.dim() < 2]
@@ -728,7 +728,8 @@ def train_under_cap(setting, stage, n_layer, alarm_s=900):
                                            param_groups=[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
                                            param_dtype=None if dtype == torch.float32 else dtype,
                                            bucket_numel=setting.bucket_numel or defaults.bucket_numel,
-                                           stage3_units=module.h, lr=defaults.lr, betas=(0.9, 0.95),
+                                           stage3_units=module.h, init_fn=module.init_weights, device="cpu",
+                                           lr=defaults.lr, betas=(0.9, 0.95),
                                            weight_decay=defaults.weight_decay)
         del module, decay, no_decay
         seen["init_peak"] = _vm("VmPeak") - base
@@ -767,6 +768,7 @@ def try_fit(setting, stage, n_layer, alarm_s=900):
     """One try on setting.nd fresh ranks: (True, every rank's train_under_cap result) if all
     trained two steps, (False, "did not fit: ...") if one ran out of memory under the cap."""
     import queue
+    from ranks import run_on_ranks
     try:
         return True, run_on_ranks(setting.nd, train_under_cap, setting, stage, n_layer, alarm_s, timeout=alarm_s + 60)
     except queue.Empty:
@@ -941,9 +943,8 @@ measured, 7.6B / 2B = 3.8 by formula).
 Bytes at each fit, the rank holding the most: Section 5's model states; held: the address space
 before the second forward; activations: what that forward added; C_B: the largest temporary
 handed to a collective; init peak: the high-water mark when zero.initialize returned; peak: after
-two steps (within the budget). zero.initialize builds the model whole on every rank, copies it
-into its flat or sharded buffers, then frees the module's: that transient (init peak) is part of
-what is measured, and where "fails at" says initialize, it is what stopped the next model."""
+two steps (within the budget). The model is built on the meta device and initialised shard by
+shard, as train.py does: the init peak is what the rank keeps plus about one block."""
 
 
 def fit_text(rows, seconds):
