@@ -753,7 +753,8 @@ def train_under_cap(setting, stage, n_layer, alarm_s=900):
         seen["largest_temporary"] = comm.largest
     except (RuntimeError, MemoryError) as e:
         resource.setrlimit(resource.RLIMIT_AS, limit)   # room to report it
-        if setting.budget is not None and (isinstance(e, MemoryError) or "can't allocate memory" in str(e)):
+        out_of_memory = isinstance(e, MemoryError) or "can't allocate memory" in str(e) or "bad_alloc" in str(e)
+        if setting.budget is not None and out_of_memory:  # torch's allocator, or C++'s new inside a kernel
             first_line = (str(e).splitlines() or [type(e).__name__])[0]
             raise MemoryError(f"did not fit: out of memory in {phase} at n_layer {n_layer} "
                               f"({first_line[:100]})") from None
