@@ -413,6 +413,7 @@ class ZeroOptimizer:
                                  "params": [w for w, p in zip(weights, self.pieces) if p.index in members]})
         self.optim = optimizer_class(piece_groups, **optimizer_kwargs)
         self.group_members = [list(g["params"]) for g in groups]  # the user's groups, for checkpoints
+        self.names = {p: n for n, p in module.named_parameters()}  # a tied weight: its first name
         self.weights = weights
         if loss_scale is None and precision.param_dtype == torch.float16:
             loss_scale = DynamicLossScale()
@@ -634,8 +635,7 @@ class ZeroOptimizer:
         return own
 
     def _scalar_states(self):
-        names = {p: n for n, p in self.module.named_parameters()}
-        return {names[self.partition.params[piece.index]]: {k: v for k, v in self.optim.state[w].items()
+        return {self.names[self.partition.params[piece.index]]: {k: v for k, v in self.optim.state[w].items()
                                                              if not (torch.is_tensor(v) and v.shape == w.shape)}
                 for piece, w in zip(self.pieces, self.weights) if w in self.optim.state}
 
@@ -679,7 +679,7 @@ class ZeroOptimizer:
 
     def _read_own(self, reader, key):
         """This rank's own space of `key` ("weights" or an optimizer state) from a checkpoint."""
-        part, names = self.partition, {p: n for n, p in self.module.named_parameters()}
+        part, names = self.partition, self.names
         own = torch.zeros(self.own_numel, dtype=self._weights_dtype(), device=part.device)
         for (f, o), b in zip(self.owned, part.buckets):
             for i, lo, hi in b.segments:
@@ -1493,14 +1493,13 @@ def load_checkpoint(path, model, optimizer):
     opt.parameters.after_step(frozen_too=True)
     opt.parameters.wait()
     scalars = reader.scalars()
-    names = {p: n for n, p in model.named_parameters()}
     opt.optim.state.clear()
     for key in manifest["state_keys"]:  # each state one own-space tensor; the pieces' states are views of it
         own = opt._read_own(reader, key)
         for piece, w in zip(opt.pieces, opt.weights):
             opt.optim.state[w][key] = own[piece.own]
     for piece, w in zip(opt.pieces, opt.weights):
-        for key, value in scalars.get(names[part.params[piece.index]], {}).items():
+        for key, value in scalars.get(opt.names[part.params[piece.index]], {}).items():
             opt.optim.state[w][key] = value.clone() if torch.is_tensor(value) else value
     for group, saved in zip(opt.param_groups, manifest["param_groups"]):
         group.update({k: type(group[k])(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()
