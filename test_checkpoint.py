@@ -307,7 +307,7 @@ def on_rank_memory_while_saving_and_loading(path):
     model, opt = make(3, 300)
     train(model, opt, 0, 1)
     held, samples = new_bytes(), []
-    real_save, real_read = torch.save, opt._read_own
+    real_save, real_read = torch.save, zero._read_own
 
     def sampled_save(obj, f, **kwargs):
         samples.append(new_bytes())  # with the tensor about to be written
@@ -326,11 +326,11 @@ def on_rank_memory_while_saving_and_loading(path):
         samples.append(new_bytes())  # with the own-space tensor just read
         return own
 
-    opt._read_own = sampled_read
+    zero._read_own = sampled_read
     try:
         zero.load_checkpoint(path, model, opt)
     finally:
-        del opt._read_own
+        zero._read_own = real_read
     return held, save_peak, max(samples), zero.model_state_bytes(model), opt.partition.shard_numel * 4
 
 

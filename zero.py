@@ -1,10 +1,8 @@
 """ZeRO-DP in one file: stages 0-3 of "ZeRO: Memory Optimizations Toward Training Trillion
 Parameter Models" (Rajbhandari, Rasley, Ruwase, He; SC 2020), on torch.distributed.
 
-    import zero
-    model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=2, lr=3e-4, weight_decay=0.1)
+    model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=2, lr=3e-4)
     loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
-    state = zero.full_state_dict(model)   # {name: full fp32 tensor}, identical on every rank
 
     stage 0  baseline data parallelism: everything replicated           (4 + 4 + K)Ψ per rank
     stage 1  P_os:     optimizer states partitioned                     4Ψ + 4Ψ + KΨ/Nd
@@ -12,19 +10,14 @@ Parameter Models" (Rajbhandari, Rasley, Ruwase, He; SC 2020), on torch.distribut
     stage 3  P_os+g+p: ... and parameters                               (4 + 4 + K)Ψ/Nd
     (fp32 parameters and gradients here; the paper's 2Ψ terms are its fp16 copies)
 
-With reduction="exact" (the default) every stage gives the same bits as torch's
-DistributedDataParallel: gradients are summed in rank order, ((g_0 + g_1) + g_2) + ..., then
-divided by Nd, whatever the bucket sizes or the stage (test_zero.py proves it).
-reduction="native" uses the backend's own reduce-scatter (NCCL's ring or tree): the same
-bytes and traffic, faster on GPUs, with sums in the backend's order.
+reduction="exact" (the default) sums gradients in rank order, ((g_0 + g_1) + g_2) + ..., then
+divides by Nd: every stage gives DistributedDataParallel's bits, whatever the bucket sizes.
+reduction="native" uses the backend's reduce-scatter: the same traffic, in its own order.
 
-The file follows the paper: Section 3 (where the memory goes), 3.1 (mixed precision), 5 and 7
-(the flat partition and its two collectives, and shard-only initialisation from the meta
-device), 5.1 (P_os: the optimizer over this rank's partition), 5.2 (P_os+g: gradient buckets
-reduced in backward), 5.3 (P_os+g+p: parameters gathered around each module), 6 (ZeRO-R);
-`initialize` composes the parts a stage needs; sharded checkpoints come last. Run the tests
-with `python -m pytest -n 2 test_zero.py`; consolidate a checkpoint with
-`python zero.py consolidate DIR OUT.pt`.
+In the paper's order: Section 3 (where the memory goes), 3.1 (mixed precision), 5 and 7 (the
+flat partition and its collectives; shard-only initialisation), 5.1 (P_os), 5.2 (P_os+g), 5.3
+(P_os+g+p), 6 (ZeRO-R); then `initialize`, which composes the parts a stage needs, and sharded
+checkpoints (`python zero.py consolidate DIR OUT.pt` makes one plain torch state).
 """
 import bisect
 import collections
@@ -66,13 +59,11 @@ REDUCTIONS = ("exact", "native")
 # and residual states (activations, temporary buffers, fragmentation). MemoryHooks records
 # memory at every module boundary: from the caching allocator on CUDA; on CPU, where
 # torch.cuda.memory_allocated() is always 0, from the bytes of the tensors alive.
-# -----------------------------------------------------------------------------------------
 def live_storages(device_type="cpu"):
-    """{storage id: storage} of every tensor storage alive on `device_type` (and of every
-    .grad), each storage once. Keyed by the storage itself: data_ptr() is 0 on the meta device
-    and raises for a storage freed with resize_(0). Holding the result keeps them alive. A
-    wrapper subclass (a DTensor) is skipped: its storage claims the global size and holds no
-    data; the local tensor inside it is counted. Tensors C++ keeps to itself are not seen."""
+    """{storage id: storage} of every tensor (and .grad) alive on `device_type`, each storage
+    once, keyed by the storage itself (data_ptr() is 0 on meta and raises once resize_(0) freed
+    it). A wrapper subclass (DTensor) is skipped: its local tensor is counted instead. Tensors
+    that only C++ holds are not seen."""
     gc.collect()
     storages = {}
     with warnings.catch_warnings():
@@ -87,16 +78,14 @@ def live_storages(device_type="cpu"):
 
 
 def live_tensor_bytes(device_type="cpu"):
-    """Bytes of every tensor storage alive in this process on `device_type`, each once."""
     return sum(s.nbytes() for s in live_storages(device_type).values())
 
 
 class MemoryHooks:
     """records: (phase, module name, allocated, reserved) at each module's forward start and
     end and backward start (every_module=False: the root's only), while `recording` is True.
-    On CPU each record walks every live tensor, a fraction of a second: record a few steps,
-    not all. On CUDA it reads the allocator, and reserved - allocated is the fragmentation
-    M_D fights; torch.cuda.max_memory_allocated() also sees between the boundaries."""
+    On CPU a record walks every live tensor (record a few steps, not all); on CUDA it reads
+    the allocator, and reserved - allocated is the fragmentation M_D fights."""
 
     def __init__(self, module, every_module=True):
         self.records, self.recording = [], False
@@ -131,12 +120,10 @@ class MemoryHooks:
         return end - start
 
 
-
 # -----------------------------------------------------------------------------------------
 # Section 3.1 -- mixed precision: the model computes in param_dtype (fp16 or bf16: the
 # paper's 2Ψ parameters and 2Ψ gradients); the optimizer updates an fp32 master copy (K = 12:
 # master 4 + momentum 4 + variance 4 bytes). Gradients are summed in reduce_dtype.
-# -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Precision:
     param_dtype: torch.dtype
@@ -163,18 +150,15 @@ class DynamicLossScale:
 
 # -----------------------------------------------------------------------------------------
 # Sections 5 and 7 -- one flat parameter space, partitioned over the Nd ranks.
-# Parameters are laid end to end in runs (a run: parameters reduced or gathered together);
-# each run is cut into buckets of at most bucket_numel elements (C_B), and every bucket is
-# split evenly: rank r owns chunk r of each bucket (only a run's last bucket is padded, to a
-# multiple of Nd, so a parameter is one stretch of the flat space). Figure 1 draws one
-# contiguous shard per rank; with it a bucket inside one shard would be reduced into that one
-# rank, its link carrying Nd copies. Split per bucket, each rank sends and receives (Nd-1)/Nd
-# of every bucket, the volume of a ring (Section 7), whatever Nd and the model size.
-# A rank's chunks, end to end, are its shard: its "own space" of shard_numel = Σ chunk elements.
+# Parameters lie end to end in runs (parameters reduced or gathered together); a run is cut
+# into buckets of at most bucket_numel elements (C_B), and rank r owns chunk r of every bucket
+# (a run's last bucket is padded). Figure 1's one contiguous shard per rank would reduce a
+# bucket inside a shard into one rank, its link carrying Nd copies; split per bucket, each rank
+# sends and receives (Nd-1)/Nd of every bucket, a ring's volume (Section 7), at any Nd.
+# A rank's chunks end to end are its shard, its "own space" (shard_numel elements).
 # ZeRO-DP is built from two collectives over a bucket:
 #   reduce-scatter  every rank's gradient bucket in, the sum of chunk r out on rank r
 #   all-gather      chunk r from rank r in, the whole bucket out on every rank
-# -----------------------------------------------------------------------------------------
 @dataclass
 class Bucket:
     start: int  # flat index of its first element
@@ -187,16 +171,14 @@ class Bucket:
 
 class FlatPartition:
     def __init__(self, params, runs, group, bucket_numel, reduction, device):
-        """params: every parameter, trainable ones first (their index order); runs: [(parameters,
-        trainable)], the same parameters in flat order; device: where the flat buffers live."""
+        """params: trainable ones first (their index order); runs: [(parameters, trainable)] in flat order."""
         self.group, self.reduction, self.device = group, reduction, device
         self.nd, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.params = params
         self.index = {p: i for i, p in enumerate(params)}
         self.offsets = [0] * len(params)  # flat start of each parameter
         self.buckets, self.segments_of = [], [[] for _ in params]  # segments_of[i]: (bucket, flat start, end)
-        # every chunk a multiple of ALIGN elements, so every chunk starts 16-byte aligned in the
-        # flat space and in the own space; a full bucket needs no padding and stays <= bucket_numel
+        # chunks are multiples of ALIGN (16-byte aligned everywhere); a full bucket is <= bucket_numel
         full = max(ALIGN, bucket_numel // self.nd // ALIGN * ALIGN) * self.nd
         flat = own = 0
         for run, trainable in runs:
@@ -237,8 +219,8 @@ class FlatPartition:
         return slice(b.own, b.own + b.chunk)
 
     def reduce_scatter(self, bucket, k):
-        """Start summing `bucket` (chunk * Nd,) over the ranks; finish_reduce ends it. Each rank
-        sends (Nd-1)/Nd of the bucket and receives (Nd-1)/Nd of it (Section 7.1)."""
+        """Start summing `bucket` (chunk * Nd,) over the ranks; each rank sends and receives
+        (Nd-1)/Nd of it (Section 7.1). finish_reduce ends it."""
         chunk = self.buckets[k].chunk
         if self.reduction == "exact":
             # all-to-all: chunk j of my bucket to rank j -> row j of `received` is rank j's copy of my
@@ -253,8 +235,7 @@ class FlatPartition:
 
     def finish_reduce(self, pending, out, add):
         """Wait for a reduce_scatter; write its mean into out (chunk,), or add it (add=True).
-        Exact: rank j's rows are summed in rank order, ((g_0 + g_1) + g_2) + ..., then divided by
-        Nd: bits that depend on neither bucket sizes, padding nor stage."""
+        Exact: rows summed in rank order, ((g_0 + g_1) + g_2) + ..., then divided by Nd."""
         work, bucket, rows = pending
         work.wait()  # `bucket` was kept alive until now: it is the send buffer
         if out.is_meta:  # memory_table.py's simulation: meta tensors hold no values to add
@@ -276,16 +257,15 @@ class FlatPartition:
         return dist.all_gather_single(out, mine, group=self.group, async_op=async_op)
 
     def to_flat(self, own):
-        """A (padded_numel,) tensor from every rank's own-space (shard_numel,) tensor: one
-        all-gather per bucket (checkpoints and tests; not on the training path)."""
+        """(padded_numel,) from every rank's (shard_numel,): an all-gather per bucket (not in training)."""
         full = own.new_empty(self.padded_numel)
         for k in range(len(self.buckets)):
             self.all_gather(full[self.flat_range(k)], own[self.own(k)], async_op=False)
         return full
 
     def rank0_values(self, k):
-        """Bucket k's parameter values as rank 0 holds them, padded with zeros: a module built
-        whole starts from rank 0's weights, as in DDP (one bucket-sized broadcast at a time)."""
+        """Bucket k's values as rank 0 holds them, zero-padded: a module built whole starts from
+        rank 0's weights, as in DDP (one bucket-sized broadcast at a time)."""
         b = self.buckets[k]
         values = torch.zeros(b.chunk * self.nd, dtype=self.params[0].dtype, device=self.device)
         for i, lo, hi in b.segments:
@@ -301,7 +281,6 @@ class FlatPartition:
 # has init_fn fill them, copies the bucket out and frees every module it is done with. A rank
 # holds what its stage keeps plus about one module: at stage 3, its shard and one unit.
 # init_fn must give every rank the same values (gpt.py seeds each parameter by its name).
-# -----------------------------------------------------------------------------------------
 class MetaInit:
     def __init__(self, module, partition, init_fn, device):
         self.partition, self.init_fn, self.device = partition, init_fn, device
@@ -353,12 +332,10 @@ class MetaInit:
 
 
 # -----------------------------------------------------------------------------------------
-# Section 5.1 -- P_os: the optimizer updates only this rank's part of the flat space.
-# The user's optimizer class runs over "pieces": the part of each trainable parameter that
-# lies in an owned range, as 1-D views into the fp32 master copy (or, without one, into the
-# parameters themselves). Stage 0 owns every bucket whole (its own space is the flat space);
-# stages 1-3 own their chunks. Per-rank optimizer states: KΨ/Nd.
-# -----------------------------------------------------------------------------------------
+# Section 5.1 -- P_os: the optimizer updates only this rank's part of the flat space, as
+# "pieces": the part of each trainable parameter in an owned range, 1-D views into the fp32
+# master (or the parameters). Stage 0 owns every bucket whole (own space = flat space); stages
+# 1-3 own their chunks. Per-rank optimizer states: KΨ/Nd.
 @dataclass
 class Piece:
     index: int  # the parameter's index in the partition
@@ -397,6 +374,7 @@ class ZeroOptimizer:
         # (from the full-precision values, before any cast).
         self.master = torch.empty(self.own_numel, dtype=precision.master_dtype, device=partition.device) \
             if precision.master_dtype else None
+        self.weights_dtype = precision.master_dtype or precision.param_dtype  # the optimizer's weights and states
         for k, (f, o) in enumerate(owned):
             values = start(k)
             parameters.load(k, values)
@@ -451,13 +429,11 @@ class ZeroOptimizer:
         return self.grads
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
-        """torch.nn.utils.clip_grad_norm_ over the full gradients, bit for bit: the norm of the
-        per-parameter norms in parameter order, then every gradient times min(1, max_norm /
-        (norm + 1e-6)). torch takes each norm over the whole tensor, in an order that depends on
-        its length, so a parameter whose gradient is split over ranks is first sent whole to one
-        rank (its "norm rank", chosen to balance the bytes): per step each rank sends about
-        (Nd-1)/Nd x Ψ/Nd elements, in rounds of at most one bucket, and a norm rank holds one
-        parameter's whole gradient at a time. Returns the total norm."""
+        """torch.nn.utils.clip_grad_norm_, bit for bit: the norm of the per-parameter norms, then
+        every gradient times min(1, max_norm / (norm + 1e-6)). torch's norm of a tensor sums in an
+        order that depends on its length, so a gradient split over ranks is sent whole to one
+        "norm rank" (chosen to balance the bytes): each rank sends about Ψ/Nd elements a step, in
+        rounds of at most a bucket. Returns the total norm."""
         grads, used = self._grads(), self.gradients.used_anywhere
         norms = torch.zeros(self.n_trainable, dtype=grads.dtype, device=grads.device)
         if self.own_numel == self.partition.padded_numel:  # every gradient is whole here (stage 0, Nd 1)
@@ -474,9 +450,8 @@ class ZeroOptimizer:
         return total
 
     def _norm_plan(self):
-        """Rounds of (parameter index, its norm rank, (bucket, owner, flat start, flat end)): every
-        segment of each trainable parameter, in flat order, at most a bucket's elements a round.
-        Made on the first clip (a simulation at the paper's scale never clips)."""
+        """Rounds of (parameter index, its norm rank, (bucket, owner, flat start, flat end)), at
+        most a bucket's elements each. Made on the first clip (a simulation never clips)."""
         if self.norm_plan is None:
             part, load, rounds, rnd, size = self.partition, [0] * self.partition.nd, [], [], 0
             for i in range(self.n_trainable):
@@ -561,13 +536,12 @@ class ZeroOptimizer:
         self.parameters.wait()
 
     def model_state_bytes(self):
-        """Bytes of this rank's parameters, gradients and optimizer states, summed over the
-        distinct storages of the tensors that hold them (a storage freed by stage 3 counts 0)."""
+        """Bytes of this rank's parameters, gradients and optimizer states: the distinct storages
+        that hold them (one freed by stage 3 counts 0)."""
         tensors = [t for p in self.partition.params for t in (p, p.grad) if t is not None]
         tensors += self.parameters.storages() + self.gradients.storages()
         tensors += [self.master] if self.master is not None else []
         tensors += [v for state in self.optim.state.values() for v in state.values() if torch.is_tensor(v)]
-        # keyed by the storage itself (_cdata), not data_ptr, which is 0 for every meta tensor
         storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                     for t in tensors if t.untyped_storage().nbytes() > 0}
         return sum(storages.values())
@@ -609,12 +583,6 @@ class ZeroOptimizer:
         return result
 
     # For checkpoints: this rank's shard, read and written through its own space.
-    def _own_chunk(self, k):
-        """Where this rank's chunk of bucket k lies in its own space."""
-        f, o = self.owned[k]
-        at = o.start + self.partition.chunk(k).start - f.start
-        return slice(at, at + self.partition.buckets[k].chunk)
-
     def _state_keys(self):
         """The elementwise optimizer states, on any rank (a rank may hold no piece)."""
         keys = {key for w in self.weights for key, v in self.optim.state.get(w, {}).items()
@@ -623,12 +591,8 @@ class ZeroOptimizer:
         dist.all_gather_object(everyone, keys, group=self.partition.group)
         return sorted(set().union(*everyone))
 
-    def _weights_dtype(self):
-        """The optimizer's weights (the fp32 master, else the parameters); its states take this dtype."""
-        return self.master.dtype if self.master is not None else self.partition.params[0].dtype
-
     def _own_state(self, key):
-        own = torch.zeros(self.own_numel, dtype=self._weights_dtype(), device=self.partition.device)
+        own = torch.zeros(self.own_numel, dtype=self.weights_dtype, device=self.partition.device)
         for piece, w in zip(self.pieces, self.weights):
             if key in self.optim.state.get(w, {}):
                 own[piece.own] = self.optim.state[w][key]
@@ -639,66 +603,14 @@ class ZeroOptimizer:
                                                              if not (torch.is_tensor(v) and v.shape == w.shape)}
                 for piece, w in zip(self.pieces, self.weights) if w in self.optim.state}
 
-    def _layout(self, model):
-        """The manifest's description of the model, the partition and the optimizer."""
-        part, names, aliases = self.partition, {}, collections.defaultdict(list)
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if p in names:  # a tied weight's other names
-                aliases[p].append(name)
-            else:
-                names[p] = name
-        return dict(
-            psi=sum(p.numel() for p in part.params),
-            params=[dict(name=names[p], shape=list(p.shape), offset=part.offsets[i], aliases=aliases[p])
-                    for i, p in enumerate(part.params)],
-            buckets=[[b.start, b.numel, b.chunk, b.own] for b in part.buckets],
-            dtype=str(self._weights_dtype()).removeprefix("torch."),  # of the weights and the states
-            param_dtype=str(self.precision.param_dtype).removeprefix("torch."),
-            optimizer=type(self.optim).__name__,
-            param_groups=[{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in members]}
-                          for g, members in zip(self.optim.param_groups, self.group_members)],
-            loss_scale=self.loss_scale, clean_steps=self.clean_steps)
-
-    def _mismatch(self, model, manifest):
-        """Why this model and optimizer cannot take the checkpoint (empty: they can)."""
-        saved = {p["name"]: p["shape"] for p in manifest["params"]}
-        live = {n: list(p.shape) for n, p in model.named_parameters()}
-        problems = [f"another model: {n} is {'not in this model' if n not in live else f'{live[n]} here, {s} saved'}"
-                    for n, s in saved.items() if live.get(n) != s]
-        problems += [f"another model: {n} is not in the checkpoint" for n in live if n not in saved]
-        saved = (manifest["dtype"], manifest["param_dtype"])
-        live = tuple(str(t).removeprefix("torch.") for t in (self._weights_dtype(), self.precision.param_dtype))
-        if saved != live:
-            problems.append(f"another dtype: saved with {saved[0]} weights computing in {saved[1]}, this model has "
-                            f"{live[0]} weights computing in {live[1]}: initialize with the checkpoint's dtypes")
-        if manifest["optimizer"] != type(self.optim).__name__:
-            problems.append(f"another optimizer: {manifest['optimizer']} saved, {type(self.optim).__name__} here")
-        if len(manifest["param_groups"]) != len(self.optim.param_groups):
-            problems.append(f"{len(manifest['param_groups'])} param_groups saved, {len(self.optim.param_groups)} here")
-        return problems
-
-    def _read_own(self, reader, key):
-        """This rank's own space of `key` ("weights" or an optimizer state) from a checkpoint."""
-        part, names = self.partition, self.names
-        own = torch.zeros(self.own_numel, dtype=self._weights_dtype(), device=part.device)
-        for (f, o), b in zip(self.owned, part.buckets):
-            for i, lo, hi in b.segments:
-                lo, hi = max(lo, f.start), min(hi, f.stop)
-                if lo < hi:
-                    at = reader.params[names[part.params[i]]]["offset"] + lo - part.offsets[i]
-                    reader.read(key, at, hi - lo, own[o.start + lo - f.start:o.start + hi - f.start])
-        return own
-
 
 # -----------------------------------------------------------------------------------------
 # Section 5.2 -- P_os+g: gradient buckets, reduced during backward.
-# A bucket is reduced once every parameter in it has its gradient; trainable buckets are
-# reduced last to first (the order backward produces them), the same order on every rank,
-# one in flight while backward computes the next. Stages 0-1 keep the full gradient (4Ψ in
-# fp32: the buckets are views into it, and each rank's reduced chunks are written back into
-# it); stages 2-3 keep only the reduced chunks (4Ψ/Nd) and a bucket lives until it is reduced.
-# Micro-batches: each backward is reduced on its own and added to the sum so far, in order.
-# -----------------------------------------------------------------------------------------
+# A bucket is reduced once every parameter in it has its gradient, last bucket first (the
+# order backward produces them), one in flight while backward computes the next. Stages 0-1
+# keep the full gradient (4Ψ in fp32; the buckets are views into it); stages 2-3 keep only the
+# reduced chunks (4Ψ/Nd), a bucket living until it is reduced. Each micro-batch's backward is
+# reduced on its own and added to the sum so far.
 class GradientBuckets:
     def __init__(self, partition, precision, keep_full, replicate, on_grad, on_backward_end):
         """keep_full: stages 0-1; replicate: stage 0, whose all-reduce is the reduce-scatter
@@ -708,13 +620,12 @@ class GradientBuckets:
         self.on_grad, self.on_backward_end = on_grad, on_backward_end
         self.n_trainable = sum(p.requires_grad for p in partition.params)
         device = partition.device
-        # small flags (which parameters were used, overflow) must be readable: on the CPU when the
-        # model is on the meta device (memory_table.py simulates the paper's sizes that way)
+        # small flags (which parameters were used) must be readable: on the CPU when simulating on meta
         self.flag_device = torch.device("cpu") if device.type == "meta" else device
         self.full = torch.zeros(partition.padded_numel, dtype=precision.param_dtype, device=device) \
             if keep_full else None
-        # where the reduced chunks go: into the full gradient itself (stages 0-1 when it has the
-        # reduce dtype), else a buffer of their own: the flat space at stage 0, the own space at 1-3
+        # the reduced chunks go into the full gradient (stages 0-1, when it has the reduce dtype),
+        # else a buffer of their own: the flat space at stage 0, the own space at 1-3
         if keep_full and precision.reduce_dtype == precision.param_dtype:
             self.reduced, at_flat = self.full, True
         else:
@@ -727,8 +638,7 @@ class GradientBuckets:
         self.order = [k for k, b in enumerate(partition.buckets) if b.trainable]  # reduced in reverse
         self.params_in_bucket = [len(b.segments) for b in partition.buckets]
         self.require_scaled_backward, self.scaled_backward = False, False
-        # a parameter holds its hook from C++, where Python's garbage collector cannot see a cycle:
-        # the hook holds this object weakly, so dropping the model and optimizer frees them
+        # the hook holds this object weakly: Python's collector cannot see a cycle through C++
         for p in partition.params[:self.n_trainable]:
             p.register_post_accumulate_grad_hook(functools.partial(_call_weakly, weakref.WeakMethod(self.grad_ready)))
 
@@ -848,12 +758,9 @@ def _call_weakly(method, *args):
 
 
 # -----------------------------------------------------------------------------------------
-# Stages 0-2 keep every parameter: each is a view into one flat buffer (padded_numel,).
-# After the step (Section 5.1, P_os), stages 1-2 all-gather each bucket's updated chunks in
-# place, in flight after step() returns; each module's next forward waits for the buckets
-# that cover its parameters, so the gather overlaps the first modules' forward. state_dict(),
-# step() and zero.full_state_dict() wait for all of it.
-# -----------------------------------------------------------------------------------------
+# Stages 0-2 keep every parameter, each a view into one flat buffer (padded_numel,). After the
+# step (5.1), stages 1-2 all-gather each bucket's updated chunks in place, left in flight: each
+# module's next forward waits for the buckets that cover its parameters.
 class FlatParameters:
     def __init__(self, partition, module, dtype, gather_after_step):
         self.partition, self.gather_after_step = partition, gather_after_step
@@ -917,19 +824,16 @@ class FlatParameters:
 
 # -----------------------------------------------------------------------------------------
 # Section 5.3 -- P_os+g+p: parameters exist in full only while a module uses them.
-# Each rank keeps its chunks of every bucket (the shard, (4 + 4 + K)Ψ/Nd in all). Before a
-# module's forward, and again before its backward, its parameters are all-gathered, one
-# all-gather per bucket straight into the buffer they are views of (Section 7.2.2: Ψ in
-# forward, Ψ in backward); after the forward, and in backward once all their gradients are
-# in, the buffer is freed. Every rank must run the same modules in the same order (as with
-# FSDP and DeepSpeed ZeRO-3).
-# -----------------------------------------------------------------------------------------
+# Each rank keeps its chunks of every bucket ((4 + 4 + K)Ψ/Nd in all). Before a module's
+# forward and again before its backward its parameters are all-gathered, bucket by bucket,
+# straight into the buffer they are views of (Section 7.2.2: Ψ in forward, Ψ in backward), and
+# freed after the forward and once backward has all their gradients. Every rank must run the
+# same modules in the same order (as with FSDP and DeepSpeed ZeRO-3).
 def gather_groups(module, units):
-    """What stage 3 gathers together. A unit (e.g. a transformer block) gathers all the
-    parameters below it at once: fewer, larger all-gathers. Any other module gathers the ones
-    it owns itself. A parameter owned by several modules (a tied embedding and output layer) is
-    a group of its own, kept from its first use to the end of the forward: gathered once, so
-    forward moves Ψ and no more. Returns (groups, [(module, its group indices)], shared groups)."""
+    """What stage 3 gathers together: a unit (e.g. a transformer block) all the parameters below
+    it, any other module its own. A parameter of several modules (a tied embedding) is a group
+    of its own, kept from its first use to the end of the forward, so forward moves Ψ and no
+    more. Returns (groups, [(module, its group indices)], shared groups)."""
     units = set(units)
     inside = {sub for u in units for sub in u.modules() if sub is not u}
     owned = [(m, list(m.parameters(recurse=m in units))) for m in module.modules() if m not in inside]
@@ -984,8 +888,8 @@ class ShardedParameters:
         self.shard[self.partition.own(k)].copy_(values[self.partition.rank * chunk:(self.partition.rank + 1) * chunk])
 
     def bind(self):
-        """Each parameter becomes a view into its group's buffer, which stays empty until
-        gathered: made, bound and freed one group at a time, so no more than one is ever whole."""
+        """Each parameter becomes a view into its group's buffer, empty until gathered (made and
+        freed one at a time, so none is ever whole here)."""
         part = self.partition
         for ks, members in zip(self.group_buckets, self.groups):
             buf = torch.empty(sum(part.buckets[k].chunk for k in ks) * part.nd, dtype=self.dtype, device=part.device)
@@ -1046,11 +950,9 @@ class ShardedParameters:
         return sum(self.buffers[g].numel() for g in gids)
 
     def _check_same_group(self, g):
-        """Every rank must gather the same group at the same point (the rule of FSDP and DeepSpeed
-        ZeRO-3). Before each gather the ranks compare the group's index (an all-reduce of 2
-        integers, and a wait on it: per step, two per unit): a branch taken by some ranks only is
-        an error here, not a hang or an exchange of the wrong parameters; a rank that stops
-        gathering leaves the others waiting check_timeout seconds, then the same error."""
+        """Before each gather the ranks compare the group's index (an all-reduce of 2 integers): a
+        branch taken by some ranks only is an error, not a hang or the wrong parameters; a rank
+        that stops gathering leaves the others an error after check_timeout seconds."""
         rule = ("every rank must run the same modules in the same order at stage 3: take a branch on "
                 "every rank or on none (or use stage 2, which allows it)")
         ids = torch.tensor([g, -g], dtype=torch.int64, device=self.flag_device)
@@ -1073,10 +975,9 @@ class ShardedParameters:
         self.in_flight = {}
 
     def _prefetch(self, gids, step):
-        """Gather the next units (in the order the first forward ran them, reversed in backward)
-        as this one starts, so their all-gathers overlap its compute: up to `prefetch` times the
-        largest unit's elements ahead, so that a small module between two blocks (an embedding,
-        the final LayerNorm) does not leave the next block's gather exposed."""
+        """Gather the next units (in the first forward's order, reversed in backward) as this one
+        starts, up to `prefetch` times the largest unit's elements ahead, so a small module
+        between two blocks does not leave the next block's gather exposed."""
         k, budget = self.unit_position.get(id(gids)), self.prefetch_numel
         while k is not None and budget > 0 and 0 <= k + step < len(self.unit_order):
             k += step
@@ -1132,7 +1033,6 @@ class ShardedParameters:
 
 # -----------------------------------------------------------------------------------------
 # Buffers follow rank 0 at every training forward, as in DDP (broadcast_buffers=True).
-# -----------------------------------------------------------------------------------------
 def _broadcast_buffers(buffers, group, module, args):
     if torch.is_grad_enabled():
         for b in buffers:
@@ -1147,7 +1047,6 @@ def _broadcast_buffers(buffers, group, module, args):
 # hidden per block). P_a+cpu moves the kept part to CPU memory. M_D (Section 6.3): the parts
 # live in one pre-allocated buffer, so these long-lived tensors do not interleave with the
 # short-lived ones in memory.
-# -----------------------------------------------------------------------------------------
 class ActivationCheckpointing:
     """Checkpoint each of `blocks` (modules called as block(x)): partition=True is P_a over
     tp_group, cpu=True is P_a+cpu, contiguous=True is M_D for the checkpoints."""
@@ -1216,50 +1115,35 @@ def checkpoint_activations(blocks, tp_group=None, partition=False, cpu=False, co
     return ActivationCheckpointing(blocks, tp_group, partition, cpu, contiguous)
 
 
-
-
 # -----------------------------------------------------------------------------------------
 # Entry points. initialize composes the parts a stage needs, once:
 #   stage 0  FlatParameters (no gather after step)   GradientBuckets(full, all-gathered)  owns every bucket
 #   stage 1  FlatParameters (all-gather after step)  GradientBuckets(full)                owns its chunks
 #   stage 2  FlatParameters (all-gather after step)  GradientBuckets(reduced chunks only)  owns its chunks
 #   stage 3  ShardedParameters (gathers per module)  GradientBuckets(reduced chunks only)  owns its chunks
-# -----------------------------------------------------------------------------------------
 def initialize(module, optimizer_class, stage, group=None, param_groups=None, bucket_numel=DEFAULT_BUCKET_NUMEL,
                param_dtype=None, reduce_dtype=None, loss_scale=None, stage3_units=None, prefetch=1,
                reduction="exact", check_timeout=60, init_fn=None, device=None, **optimizer_kwargs):
     """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world).
+    Returns (module, optimizer): the same module, sharded and hooked, and the optimizer to step.
+    Every rank starts from rank 0's weights (docs/api.md has the long form of every argument).
 
-    Returns (module, optimizer): the same module, now sharded and hooked, and the optimizer
-    to step. `optimizer_class` is a torch.optim class (not an instance) and its arguments come
-    as keywords; `param_groups` is an optional list of {"params": [...], **options} over the
-    module's parameters, as torch.optim takes it. Every rank starts from rank 0's weights.
+    optimizer_class: a torch.optim class, its arguments as keywords; param_groups: optional
+        [{"params": [...], **options}] over the module's parameters.
+    init_fn, device: a module built on the meta device is initialised shard by shard on
+        `device`: init_fn(submodule) fills that submodule's own parameters once zero has
+        materialised them, the same values on every rank (e.g. gpt.py's model.init_weights).
+    bucket_numel: C_B, the elements of every reduce-scatter and all-gather.
+    reduction: "exact" (rank-order sums, bit-reproducible) or "native" (the backend's).
+    param_dtype, reduce_dtype: 16-bit compute with an fp32 master; the dtype of the sums.
+    loss_scale: fp16's DynamicLossScale (the default for float16) or a static number; then
+        call optimizer.backward(loss).
+    stage3_units, prefetch, check_timeout: modules whose parameters stage 3 gathers together;
+        how many largest units' worth it gathers ahead; how long a rank waits at a gather.
 
-    A module built on the meta device (`with torch.device("meta"): ...`) is initialised shard by
-    shard: init_fn(submodule) is called once zero has materialised that submodule's own
-    parameters (and buffers) on `device`, and fills them in place, e.g. `lambda m:
-    m.reset_parameters()` or gpt.py's `model.init_weights`; it must give every rank the same
-    values. device: where (default: the current CUDA device if there is one, else the CPU;
-    "meta" simulates, as memory_table.py does).
-
-    bucket_numel: elements per bucket, the unit of every reduce-scatter and all-gather (C_B).
-    reduction: "exact" (default) sums gradients in rank order, the same bits at every stage,
-    bucket size and Nd; "native" uses the backend's reduce-scatter (on GPUs NCCL's, faster at
-    scale, in NCCL's order of summation).
-    param_dtype=torch.bfloat16 or torch.float16: the model computes in 16 bits and the
-    optimizer keeps fp32 master weights for its partition. reduce_dtype: the dtype gradients
-    are summed in (default: param_dtype). loss_scale: fp16's loss scaling, a DynamicLossScale
-    (the default for float16) or a number for a static scale; then call optimizer.backward(loss).
-    stage3_units: modules (e.g. transformer blocks) whose parameters stage 3 gathers together,
-    in one go before the unit's forward and backward; other modules gather their own.
-    prefetch: at stage 3, gather the next units while the current one computes, up to this
-    many times the largest unit's elements ahead (0: no prefetch). check_timeout: seconds a
-    stage-3 rank waits for the others to reach the same gather before it raises.
-
-    At stages 1-2, step() returns with the all-gather of the updated parameters still in
-    flight: each module's forward waits for its own part, and module.state_dict(),
-    zero.full_state_dict(), optimizer.wait_params() and the next step() wait for all of it.
-    Read the parameters any other way (p.data, parameters_to_vector) only after one of those.
+    At stages 1-2, step() returns with the all-gather of the updated parameters in flight:
+    each module's forward waits for its part; module.state_dict(), zero.full_state_dict(),
+    optimizer.wait_params() and the next step() wait for all of it.
     """
     _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
            loss_scale, prefetch, reduction, init_fn, optimizer_kwargs)
@@ -1405,7 +1289,6 @@ def full_optimizer_state(module):
 # Element x of the flat space lies in bucket k's chunk (x - start_k) // chunk_k, at
 # own_k + (x - start_k) % chunk_k of that rank's shard: so a checkpoint loads at any Nd, stage
 # or bucket size, each rank reading (memory-mapped) only the ranges it now owns.
-# -----------------------------------------------------------------------------------------
 FORMAT = 1
 
 
@@ -1438,8 +1321,8 @@ def save_checkpoint(path, model, optimizer, **extra):
                 shard = torch.cat([opt.parameters.mine(k) for k in buckets])
             elif own.numel() == part.shard_numel:  # stages 1-3: the own space is the shard
                 shard = own
-            else:  # stage 0 owns the whole flat space: its chunks
-                shard = torch.cat([own[opt._own_chunk(k)] for k in buckets])
+            else:  # stage 0's own space is the flat space
+                shard = torch.cat([own[part.chunk(k)] for k in buckets])
             files[f"rank{part.rank}.{key}.pt"] = shard
             _write(partial, files, f"rank{part.rank}.{key}.pt")
         files[f"rank{part.rank}.rest.pt"] = {"scalars": opt._scalar_states(), "rng": torch.get_rng_state(),
@@ -1453,7 +1336,7 @@ def save_checkpoint(path, model, optimizer, **extra):
         raise RuntimeError(f"saving {path} failed, the checkpoint was not written: "
                            f"{'; '.join(err for err, _ in everyone if err)}")
     if part.rank == 0:
-        manifest = opt._layout(model)
+        manifest = _layout(opt, model)
         manifest.update(format=FORMAT, torch=torch.__version__, nd=part.nd, state_keys=keys,
                         files={name: digest for _, f in everyone for name, digest in f.items()})
         (partial / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -1469,6 +1352,57 @@ def _write(directory, files, name):
         files[name] = [os.path.getsize(directory / name), hashlib.file_digest(f, "sha256").hexdigest()]
 
 
+def _layout(opt, model):
+    """The manifest's description of the model, the partition and the optimizer."""
+    part, names, aliases = opt.partition, {}, collections.defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p in names:  # a tied weight's other names
+            aliases[p].append(name)
+        else:
+            names[p] = name
+    return dict(
+        psi=sum(p.numel() for p in part.params),
+        params=[dict(name=names[p], shape=list(p.shape), offset=part.offsets[i], aliases=aliases[p])
+                for i, p in enumerate(part.params)],
+        buckets=[[b.start, b.numel, b.chunk, b.own] for b in part.buckets],
+        dtype=str(opt.weights_dtype).removeprefix("torch."),  # of the weights and the states
+        param_dtype=str(opt.precision.param_dtype).removeprefix("torch."),
+        optimizer=type(opt.optim).__name__,
+        param_groups=[{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in members]}
+                      for g, members in zip(opt.optim.param_groups, opt.group_members)],
+        loss_scale=opt.loss_scale, clean_steps=opt.clean_steps)
+
+def _mismatch(opt, model, manifest):
+    """Why this model and optimizer cannot take the checkpoint (empty: they can)."""
+    saved = {p["name"]: p["shape"] for p in manifest["params"]}
+    live = {n: list(p.shape) for n, p in model.named_parameters()}
+    problems = [f"another model: {n} is {'not in this model' if n not in live else f'{live[n]} here, {s} saved'}"
+                for n, s in saved.items() if live.get(n) != s]
+    problems += [f"another model: {n} is not in the checkpoint" for n in live if n not in saved]
+    saved = (manifest["dtype"], manifest["param_dtype"])
+    live = tuple(str(t).removeprefix("torch.") for t in (opt.weights_dtype, opt.precision.param_dtype))
+    if saved != live:
+        problems.append(f"another dtype: saved with {saved[0]} weights computing in {saved[1]}, this model has "
+                        f"{live[0]} weights computing in {live[1]}: initialize with the checkpoint's dtypes")
+    if manifest["optimizer"] != type(opt.optim).__name__:
+        problems.append(f"another optimizer: {manifest['optimizer']} saved, {type(opt.optim).__name__} here")
+    if len(manifest["param_groups"]) != len(opt.optim.param_groups):
+        problems.append(f"{len(manifest['param_groups'])} param_groups saved, {len(opt.optim.param_groups)} here")
+    return problems
+
+def _read_own(opt, reader, key):
+    """This rank's own space of `key` ("weights" or an optimizer state) from a checkpoint."""
+    part, names = opt.partition, opt.names
+    own = torch.zeros(opt.own_numel, dtype=opt.weights_dtype, device=part.device)
+    for (f, o), b in zip(opt.owned, part.buckets):
+        for i, lo, hi in b.segments:
+            lo, hi = max(lo, f.start), min(hi, f.stop)
+            if lo < hi:
+                at = reader.params[names[part.params[i]]]["offset"] + lo - part.offsets[i]
+                reader.read(key, at, hi - lo, own[o.start + lo - f.start:o.start + hi - f.start])
+    return own
+
+
 def load_checkpoint(path, model, optimizer):
     """Restore what save_checkpoint saved, on every rank (a collective): parameters, master
     weights, optimizer states, loss scale, buffers, this rank's RNG state and extra (returned).
@@ -1478,7 +1412,7 @@ def load_checkpoint(path, model, optimizer):
     part = opt.partition
     problems = [f"{name}: {why}" for i, name in enumerate(sorted(manifest["files"])) if i % part.nd == part.rank
                 for why in [_damage(path / name, *manifest["files"][name])] if why]
-    problems += opt._mismatch(model, manifest)
+    problems += _mismatch(opt, model, manifest)
     everyone = [None] * part.nd
     dist.all_gather_object(everyone, problems, group=part.group)
     problems = sorted({p for ps in everyone for p in ps})
@@ -1486,7 +1420,7 @@ def load_checkpoint(path, model, optimizer):
         raise CheckpointError(f"cannot load {path}: " + "; ".join(problems))
     reader = CheckpointReader(path, manifest)
     opt.parameters.wait()
-    weights = opt._read_own(reader, "weights")
+    weights = _read_own(opt, reader, "weights")
     if opt.master is not None:
         opt.master.copy_(weights)
     opt.parameters.copy_owned(opt.owned, weights)
@@ -1495,7 +1429,7 @@ def load_checkpoint(path, model, optimizer):
     scalars = reader.scalars()
     opt.optim.state.clear()
     for key in manifest["state_keys"]:  # each state one own-space tensor; the pieces' states are views of it
-        own = opt._read_own(reader, key)
+        own = _read_own(opt, reader, key)
         for piece, w in zip(opt.pieces, opt.weights):
             opt.optim.state[w][key] = own[piece.own]
     for piece, w in zip(opt.pieces, opt.weights):
