@@ -263,14 +263,18 @@ class FlatPartition:
             self.all_gather(full[self.flat_range(k)], own[self.own(k)], async_op=False)
         return full
 
-    def rank0_values(self, k):
-        """Bucket k's values as rank 0 holds them, zero-padded: a module built whole starts from
-        rank 0's weights, as in DDP (one bucket-sized broadcast at a time)."""
+    def values(self, k):
+        """Bucket k's values (chunk * Nd,) as the parameters hold them on this rank, zero-padded."""
         b = self.buckets[k]
         values = torch.zeros(b.chunk * self.nd, dtype=self.params[0].dtype, device=self.device)
         for i, lo, hi in b.segments:
             a = self.offsets[i]
             values[lo - b.start:hi - b.start] = self.params[i].detach().reshape(-1)[lo - a:hi - a]
+        return values
+
+    def rank0_values(self, k):
+        """A module built whole starts from rank 0's weights, as in DDP: a bucket-sized broadcast."""
+        values = self.values(k)
         dist.broadcast(values, group_src=0, group=self.group)
         return values
 
@@ -307,12 +311,10 @@ class MetaInit:
     def values(self, k):
         """Bucket k's parameter values, padded with zeros, initialised on this rank."""
         part, b = self.partition, self.partition.buckets[k]
-        values = torch.zeros(b.chunk * part.nd, dtype=part.params[0].dtype, device=self.device)
         for i, lo, hi in b.segments:
             if self.owner[part.params[i]] not in self.materialized:
                 self._materialize(self.owner[part.params[i]])
-            a = part.offsets[i]
-            values[lo - b.start:hi - b.start] = part.params[i].detach().reshape(-1)[lo - a:hi - a]
+        values = part.values(k)
         for i, lo, hi in b.segments:
             m = self.owner[part.params[i]]
             self.left[m] -= self.last[i] == k
@@ -339,7 +341,7 @@ class MetaInit:
 @dataclass
 class Piece:
     index: int  # the parameter's index in the partition
-    flat: slice  # where it lies in the flat space (None: it does not lie in one stretch there)
+    flat: slice  # where it lies in the flat space
     own: slice  # where it lies in this rank's own space
 
 
@@ -353,22 +355,12 @@ class ZeroOptimizer:
         self.owned, self.precision = owned, precision  # owned: per bucket, (flat slice, own slice)
         self.own_numel = sum(o.stop - o.start for f, o in owned)
         self.n_trainable = sum(p.requires_grad for p in partition.params)
-        # A parameter's pieces in consecutive buckets lie end to end in the own space: where the
-        # optimizer's tensors are own-space ones (a master copy, stage 3's shard) they are one piece.
-        merge = precision.master_dtype is not None or parameters.in_own_space
-        self.pieces = []
+        self.pieces = []  # a parameter split over buckets is a piece per bucket: the update is elementwise
         for (f, o), b in zip(owned, partition.buckets):
             for i, lo, hi in b.segments if b.trainable else ():
                 lo, hi = max(lo, f.start), min(hi, f.stop)
-                own = slice(o.start + lo - f.start, o.start + hi - f.start)
-                last = self.pieces[-1] if self.pieces else None
-                if lo >= hi:
-                    continue
-                if last and last.index == i and last.own.stop == own.start and (merge or last.flat.stop == lo):
-                    flat = slice(last.flat.start, hi) if last.flat and last.flat.stop == lo else None
-                    self.pieces[-1] = Piece(i, flat, slice(last.own.start, own.stop))
-                else:
-                    self.pieces.append(Piece(i, slice(lo, hi), own))
+                if lo < hi:
+                    self.pieces.append(Piece(i, slice(lo, hi), slice(o.start + lo - f.start, o.start + hi - f.start)))
         # start(k): bucket k's starting values (rank 0's, or initialised here from the meta
         # device). The parameters take them bucket by bucket, the fp32 master its owned ranges
         # (from the full-precision values, before any cast).
@@ -784,8 +776,6 @@ class FlatParameters:
     def view(self, piece):
         return self.flat[piece.flat]
 
-    in_own_space = False  # view(piece) indexes the flat space
-
     def copy_owned(self, owned, source):
         """The owned ranges of the parameters from `source`, an own-space tensor."""
         if source.numel() == self.flat.numel():  # stage 0: the own space is the flat space
@@ -901,8 +891,6 @@ class ShardedParameters:
 
     def view(self, piece):
         return self.shard[piece.own]
-
-    in_own_space = True  # view(piece) indexes the shard
 
     def copy_owned(self, owned, source):
         self.shard.copy_(source)
