@@ -83,7 +83,7 @@ def test_train_loss_curves_are_identical_for_stages_0_and_3(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--stage", "4"], "invalid choice: 4"),
     (["--tp", "2"], "--tp 2 does not divide the world size 1"),
-    (["--seq_len", "4096"], "exceeds the tiny model's block_size 128"),
+    (["--seq_len", "4096"], "exceeds the nano model's block_size 128"),
     (["--steps", "0"], "--steps must be at least 1"),
 ])
 def test_train_bad_flags_say_what_to_change(flags, message):

@@ -11,12 +11,14 @@ Same seed and data give the same loss at every step for stages 0, 1, 2 and 3: Ze
 where the model states live, not the arithmetic. gloo on CPU, NCCL on GPU, picked automatically.
 """
 import argparse
+import io
 import json
 import math
 import os
 import pathlib
 import sysconfig
 import time
+import tokenize
 
 import torch
 import torch.distributed as dist
@@ -29,11 +31,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO-DP stage (0 = plain DP)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree; data-parallel = world / tp")
-    p.add_argument("--model", default="tiny", choices=list(PRESETS), help="gpt.py preset")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--model", default="nano", choices=list(PRESETS), help="gpt.py preset")
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch_size", type=int, default=8, help="sequences per data-parallel rank per step")
     p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (warm-up, then cosine to lr/10)")
+    p.add_argument("--lr", type=float, default=4e-3, help="peak learning rate (warm-up, then cosine to lr/10)")
     p.add_argument("--weight_decay", type=float, default=0.1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the dtype the model computes in; 16-bit keeps fp32 master weights in the optimizer shard")
@@ -47,7 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms(True): the same bits on every run (on GPUs, slower)")
-    p.add_argument("--eval_every", type=int, default=100, help="validation loss every this many steps")
+    p.add_argument("--eval_every", type=int, default=250, help="validation loss every this many steps")
     p.add_argument("--data", default=None, help="a text file (default: the Python standard library's source)")
     p.add_argument("--out", default=None, help="write the run's log as JSON to this file")
     p.add_argument("--save_dir", default=None, help="save sharded checkpoints into DIR/step_NNNNNN")
@@ -86,15 +88,79 @@ def setup_distributed():
 
 
 def load_corpus(path):
-    """Bytes of a text file, or of the standard library's .py files in sorted order (tests,
-    idlelib, lib2to3 and two packages that are tables and prose rather than code, the codecs'
-    encodings and pydoc's topics, left out): about 9 MB on Python 3.11, identical on every rank."""
+    """Bytes of a text file, or code only from the standard library's .py files in sorted order.
+
+    The default corpus: the .py files (tests, idlelib, lib2to3 and two packages that are tables
+    and prose rather than code, the codecs' encodings and pydoc's topics, left out), each passed
+    through `strip_source`: no comments or docstrings, continuation lines in brackets re-indented
+    to the statement's indentation plus one level, and every line of code indented with one tab
+    per 4 spaces (one byte per level). About 4.7 MB on Python 3.11, identical on every rank. A
+    file given with --data is read as it is.
+    """
     if path is not None:
         return pathlib.Path(path).read_bytes()
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idlelib", "lib2to3", "encodings", "pydoc_data"}
     files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
-    return b"".join(p.read_bytes() for p in files)
+    return b"".join(strip_source(p.read_bytes()) for p in files)
+
+
+def strip_source(src):
+    """Python source (bytes) as load_corpus uses it: comments and docstrings removed (a line left
+    empty goes), a continuation line inside brackets re-indented to its statement's indentation
+    plus 4 spaces (none before a closing bracket), then each line of code indented with tabs, one
+    per 4 spaces. Lines inside multi-line strings stay as they are; a file tokenize cannot read
+    is kept whole."""
+    text = src.decode("utf-8", errors="replace")
+    lines = text.splitlines(keepends=True)
+    try:
+        toks = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return src
+    cut, drop, indent, code_lines = {}, set(), {}, set()  # by 0-based line number
+    depth, stmt_indent, prev = 0, "", tokenize.NEWLINE
+    layout = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    for i, tok in enumerate(toks):
+        (r0, c0), (r1, c1) = tok.start, tok.end
+        if tok.type not in layout and r0 - 1 not in code_lines:  # the first token of a line
+            code_lines.add(r0 - 1)
+            line = lines[r0 - 1]
+            if depth == 0:
+                stmt_indent = line[:len(line) - len(line.lstrip(" \t"))]
+            elif not line[:c0].strip():
+                indent[r0 - 1] = stmt_indent + ("" if tok.string in ")]}" else "    ")
+        if tok.type == tokenize.OP and tok.string in ("(", "[", "{"):
+            depth += 1
+        elif tok.type == tokenize.OP and tok.string in (")", "]", "}"):
+            depth -= 1
+        if tok.type == tokenize.COMMENT:
+            cut.setdefault(r0 - 1, []).append((c0, None))
+        elif (tok.type == tokenize.STRING and prev in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+              and toks[i + 1].type in (tokenize.NEWLINE, tokenize.COMMENT)):  # a docstring
+            cut.setdefault(r0 - 1, []).append((c0, c1 if r0 == r1 else None))
+            if r1 > r0:
+                drop.update(range(r0, r1 - 1))
+                cut.setdefault(r1 - 1, []).append((0, c1))
+        if tok.type not in (tokenize.COMMENT, tokenize.NL):
+            prev = tok.type
+    out = []
+    for n, line in enumerate(lines):
+        if n in drop:
+            continue
+        if n in cut:
+            for c0, c1 in sorted(cut[n], reverse=True):
+                line = line[:c0] + ("" if c1 is None else line[c1:])
+            if not line.strip():
+                continue
+            line = line.rstrip() + "\n"
+        if n in indent:
+            line = indent[n] + line.lstrip(" \t")
+        if n in code_lines:
+            body = line.lstrip(" ")
+            spaces = len(line) - len(body)
+            line = "\t" * (spaces // 4) + " " * (spaces % 4) + body
+        out.append(line)
+    return "".join(out).encode("utf-8")
 
 
 def get_batch(data, batch_size, seq_len, generator, device):
@@ -227,9 +293,9 @@ def main(argv=None):
     # a sample: every rank runs the same generation (stage 3 gathers parameters collectively,
     # tp ranks must draw the same tokens), rank 0 prints it
     prompt = torch.tensor([list(b"def ")], device=device)
-    out = model.generate(prompt, 200, temperature=0.8, top_k=50, generator=torch.Generator().manual_seed(args.seed))
+    out = model.generate(prompt, 200, temperature=0.7, top_k=50, generator=torch.Generator().manual_seed(args.seed))
     sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
-    log("-" * 40 + " sample " + "-" * 40 + "\n" + sample + "\n" + "-" * 88)
+    log("-" * 40 + " sample " + "-" * 40 + "\n" + sample.expandtabs(4) + "\n" + "-" * 88)  # tabs shown as 4 spaces
     if args.out and rank == 0:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # --out out/run.json in a fresh clone
         pathlib.Path(args.out).write_text(json.dumps(dict(args=vars(args), world=world, backend=backend,
