@@ -3,16 +3,13 @@ bench.py -- zero.py against its peers on one GPT (gpt.py), fp32 AdamW, CPU and g
 DDP + ZeroRedundancyOptimizer, FSDP2, DeepSpeed ZeRO-1/2/3 (when installed), zero.py stages 0-3.
 Per system: median step time and its ratio to DDP; model-state bytes per rank beside Section 5's
 formula; a sampled peak; bytes sent per rank per step beside Section 7; the final loss, which
-every system must share (same seed, same weights, same data).
+every system must share (same seed, same weights, same data). docs/benchmarks.md says how it
+measures and shows its output.
 
     python bench.py                                              # world 2, small preset, every system
     python bench.py --world 2 --steps 1 --warmup 1 --repeats 1 --launches 1   # smoke: each row once
-    python bench.py --systems ddp fsdp2 zero3 --repeats 20       # a subset, more rounds
-    python bench.py --json > bench.json                          # the rows as one JSON object
-    python bench.py --nodes 4 --link 200mbit                     # 4 emulated nodes, 200 Mbit/s links (root, iproute2)
+    python bench.py --nodes 4 --link 200mbit                     # 4 emulated nodes (root, iproute2)
 
-Each system runs in a process group of its own (ranks.run_on_ranks), taking turns with a DDP
-clock so that the machine's drift cancels (drive); docs/benchmarks.md says how it measures.
 Progress goes to stderr.
 """
 import argparse
@@ -23,8 +20,8 @@ import functools
 import importlib.util
 import itertools
 import json
-import queue
 import os
+import queue
 import shutil
 import signal
 import statistics
@@ -59,6 +56,7 @@ SYSTEMS = {
     "zero3": ("zero.py stage 3 (P_os+g+p)", 3, 3),
 }
 FORMULA = ["16Ψ", "4Ψ+4Ψ+8Ψ/Nd", "4Ψ+12Ψ/Nd", "16Ψ/Nd"]  # Section 5 in fp32: K = 8 (AdamW's two moments)
+SEED = 1337
 
 
 def parse_args(argv=None):
@@ -78,9 +76,6 @@ def parse_args(argv=None):
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (2 ranks x 1 on 2 cores: fastest)")
-    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
-                   help="pin rank r to core r (mod cores): steadier steps than letting ranks migrate")
-    p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--json", action="store_true", help="print the rows as one JSON object instead of the table")
     args = p.parse_args(argv)
     if args.nodes is not None:
@@ -107,7 +102,7 @@ def parse_args(argv=None):
 # The systems: each gives (model, backward, step) for the same GPT and the same AdamW.
 # ---------------------------------------------------------------------------
 def build(system, args):
-    model = GPT(PRESETS[args.model], seed=args.seed)  # the same weights on every rank, for every system
+    model = GPT(PRESETS[args.model], seed=SEED)  # the same weights on every rank, for every system
     adamw = dict(lr=1e-3, weight_decay=0.1)  # one group, for every system; torch's defaults otherwise
     if system in ("ddp", "zero_optimizer"):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -148,30 +143,25 @@ def build(system, args):
     return model, torch.Tensor.backward, lambda: (opt.step(), opt.zero_grad())
 
 
-def _nbytes(t):
-    return t.numel() * t.element_size()
-
-
 def get_batch(gen, args):
     tokens = torch.randint(PRESETS[args.model].vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # inputs, next tokens: (B, T) each
 
 
 # ---------------------------------------------------------------------------
-# Every system lives in its own fresh process group of --world ranks, all started at once; the
-# ranks then wait for orders. The machine's speed drifts (measured here: a fixed matmul ran 2.3x
-# faster from one half-minute to the next), so the systems take turns, a few steps each, round
-# after round, and every turn is timed against a DDP clock run just before and after it (drive).
+# Every system lives in its own process group, all started at once; its ranks then wait for
+# orders. The systems take turns, round after round, each turn timed against a DDP clock run
+# just before and after it, so that the machine's drift cancels (drive).
 # ---------------------------------------------------------------------------
 def serve_rank(system, args, inboxes, outbox):
     """On each rank of the system's process group: build, warm up, then run what the inbox says:
     "turn" (a lead-in step, --steps timed steps, report), or "probe" (one step, measured, return)."""
     torch.set_num_threads(args.threads)  # 2 ranks x 2 threads on 2 cores ran 1.5-1.8x slower
     rank = dist.get_rank()
-    if args.pin and hasattr(os, "sched_setaffinity"):  # rank r on core r (mod cores), for every system
+    if hasattr(os, "sched_setaffinity"):  # rank r on core r (mod cores): steadier than letting ranks migrate
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches, every system
+    gen = torch.Generator().manual_seed(SEED * 1000 + rank)  # each rank its own batches, every system
     baseline = zero.live_tensor_bytes()  # before the model: what torch and the process group hold already
     model, backward, step = build(system, args)
 
@@ -184,9 +174,8 @@ def serve_rank(system, args, inboxes, outbox):
         train_step()
     outbox.put((rank, "ready"))
     while inboxes[rank].get() == "turn":
-        # The lead-in step, untimed, brings back the caches another system's turn took, and puts
-        # zero.py's stage 1-2 parameter gather in flight, so every timed step is a step in
-        # steady state, its gather overlapping the step before it as in training.
+        # the lead-in step, untimed: back the caches another system's turn took, and zero.py's
+        # stage 1-2 parameter gather in flight, so every timed step is a step in steady state
         train_step()
         t0 = time.perf_counter()
         for _ in range(args.steps):
@@ -200,7 +189,7 @@ def serve_rank(system, args, inboxes, outbox):
     # this step's batch. After backward that is the model states (parameters, gradients, AdamW's
     # exp_avg, exp_avg_sq and step; besides them only the scalar loss); after forward, plus activations.
     x, y = get_batch(gen, args)
-    live = lambda: zero.live_tensor_bytes() - baseline - _nbytes(x) - _nbytes(y)
+    live = lambda: zero.live_tensor_bytes() - baseline - x.numel() * x.element_size() - y.numel() * y.element_size()
     # Section 7: bytes handed to each torch.distributed collective (memory_table's ring convention)
     with memory_table.CommCounter() as counter:
         loss = model(x, y)[1]
@@ -225,14 +214,14 @@ class Server:
         ctx = mp.get_context("spawn")
         self.system, self.nd = system, args.world
         self.inboxes, self.outbox, self.result, self.error = [ctx.Queue() for _ in range(self.nd)], ctx.Queue(), None, None
-        self.thread = threading.Thread(target=self._run, args=(args, nodes), daemon=True)
+        where = {} if nodes is None else nodes.placement()
+        self.thread = threading.Thread(target=self._run, args=(args, where), daemon=True)
         self.thread.start()
 
-    def _run(self, args, nodes):
-        work = (serve_rank, self.system, args, self.inboxes, self.outbox)
+    def _run(self, args, where):
         try:  # the ranks live as long as the benchmark
-            self.result = ranks.run_on_ranks(self.nd, *work, timeout=None) if nodes is None else \
-                nodes.run(*work)
+            self.result = ranks.run_on_ranks(self.nd, serve_rank, self.system, args, self.inboxes, self.outbox,
+                                             timeout=None, **where)
         except Exception as e:  # a rank failed: ask() reports it
             self.error = e
 
@@ -254,15 +243,10 @@ class Server:
 
 
 # ---------------------------------------------------------------------------
-# Emulated nodes (--nodes N --link RATE). Each rank runs in a network namespace of its own, the
-# node; node r holds one end of a veth pair, veth<r> at SUBNET.<r+1>/24, and the other end,
-# port<r>, sits on a bridge in one more namespace. Both ends of every pair carry a token bucket
-# filter at RATE, so each node sends and receives at most RATE, as through a NIC on a switch.
-# Every name starts with zb<pid>- (two runs never collide), and everything is made with
+# Emulated nodes (--nodes N --link RATE): each rank in a network namespace of its own, node r
+# holding veth<r> at SUBNET.<r+1>/24, whose peer port<r> sits on a bridge in one more namespace;
+# both ends capped at RATE (tc tbf). Every name starts with zb<pid>-, and everything is made with
 # `ip -n NS` inside the new namespaces: the root namespace gets no address, link or route.
-# Deleting the namespaces deletes their veths and the bridge. One set of nodes serves every
-# system and the clock, each process group with its own store port; past the warm-up only one
-# of them runs at a time (drive), so they do not share the links' bandwidth.
 # ---------------------------------------------------------------------------
 SUBNET = "10.213.0"  # private, and only inside this run's namespaces
 NEEDS = "--nodes needs root and iproute2 (apt-get install iproute2) to create network namespaces"
@@ -285,8 +269,8 @@ def nodes_problem():
 
 class Nodes:
     """n emulated nodes with links capped at rate, made at once; remove() deletes all of them
-    (also what a failed construction left, and at exit whatever is still there). run(fn, *args)
-    starts a process group on them."""
+    (also what a failed construction left, and at exit whatever is still there). One set serves
+    every system and the clock; past the warm-up only one of them runs at a time (drive)."""
 
     def __init__(self, n, rate):
         prefix = f"zb{os.getpid()}"
@@ -294,9 +278,8 @@ class Nodes:
         self.addrs = [f"{SUBNET}.{r + 1}" for r in range(n)]
         self.made = []  # namespaces to delete: each is listed before it is made
         atexit.register(self.remove)  # the last resort, should a second Ctrl-C cut a removal short
-        # Store ports: nothing but this run's ranks listens in these namespaces, so counting up
-        # gives a free port each time (below the kernel's ephemeral range, 32768 and up, where
-        # gloo's own sockets go); no port is reused, none waits in TIME_WAIT.
+        # Store ports: only this run's ranks listen in these namespaces, so counting up gives a free
+        # port each time (below the ephemeral range, where gloo's own sockets go)
         self.ports = itertools.count(29500)
         try:
             for ns in [self.bridge] + self.names:
@@ -329,16 +312,13 @@ class Nodes:
         while self.made:  # a namespace's veth ends go with it, and the bridge with its namespace
             subprocess.run(["ip", "netns", "del", self.made.pop()], capture_output=True)
 
-    def run(self, fn, *args):
-        """ranks.run_on_ranks on the nodes: rank r in node r, talking over veth<r>, rank 0's
-        store on a new port; the results in rank order."""
-        ctx = mp.get_context("spawn")
-        results, port = ctx.Queue(), next(self.ports)  # queues are pipes: they work across namespaces
-        procs = [ctx.Process(target=ranks.rank_main, args=(r, len(self.names), port, fn, args, results),
-                             kwargs=dict(master=self.addrs[0], setup=functools.partial(enter_namespace, name),
-                                         env=dict(GLOO_SOCKET_IFNAME=f"veth{r}")))
-                 for r, name in enumerate(self.names)]
-        return ranks.collect(procs, results)
+    def placement(self):
+        """ranks.run_on_ranks's options for a process group on the nodes: rank r in node r,
+        talking over veth<r>, rank 0's store on a new port (queues are pipes: they work across
+        namespaces)."""
+        return dict(master=self.addrs[0], port=next(self.ports),
+                    setups=[functools.partial(enter_namespace, name) for name in self.names],
+                    envs=[dict(GLOO_SOCKET_IFNAME=f"veth{r}") for r in range(len(self.names))])
 
 
 def enter_namespace(name):
@@ -382,9 +362,8 @@ def emulated_nodes(args):
 
 
 # ---------------------------------------------------------------------------
-# The table. Time: rank 0's ms per step in each round's turn: their median and interquartile
-# range. A ratio: one per round against the DDP clock (main), the same way; where its range
-# holds 1 it is marked ≈: we claim no difference smaller than the noise.
+# The table. Time: rank 0's ms per step in each round's turn, median and interquartile range. A
+# ratio: one per round against the DDP clock, the same way; marked ≈ where its range holds 1.
 # ---------------------------------------------------------------------------
 def spread(values):
     """(median, lo, hi): the median and the interquartile range (one value: itself)."""
@@ -398,8 +377,14 @@ def ratio(rounds):
     return f"{'≈ ' if lo <= 1 <= hi else ''}{r:.2f} [{lo:.2f}-{hi:.2f}]"
 
 
-def summarize(system, rounds, vs_clock, per_rank, args, psi):
+def summarize(system, launches, args, psi):
+    """One system's row: its rounds pooled over the launches (each (times, vs_clock, results) from
+    drive); bytes and loss from the first launch's probe (every launch ran the same steps on the
+    same data)."""
     label, stage, volume = SYSTEMS[system]
+    rounds = [ms for times, _, _ in launches for ms in times[system]]
+    vs_clock = [v for _, ratios, _ in launches for v in ratios[system]]
+    per_rank = launches[0][2][system]
     ms, ms_lo, ms_hi = spread(rounds)
     return dict(system=system, label=label, ms=ms, ms_lo=ms_lo, ms_hi=ms_hi, rounds=rounds, vs_clock=vs_clock,
                 model_states=max(r["model_states"] for r in per_rank), formula_name=FORMULA[stage],
@@ -409,7 +394,10 @@ def summarize(system, rounds, vs_clock, per_rank, args, psi):
                 # sees only part of them (measured: ZeRO-1/2 the gradient all-reduce only, ZeRO-3 none)
                 sent=None if system.startswith("deepspeed") else max(sum(r["sent"].values()) for r in per_rank),
                 sent_by_collective=per_rank[0]["sent"], section7=volume * (args.world - 1) / args.world * 4 * psi,
-                loss=sum(r["loss"] for r in per_rank) / len(per_rank))  # the ranks' mean
+                loss=sum(r["loss"] for r in per_rank) / len(per_rank),  # the ranks' mean
+                vs_ddp=ratio(vs_clock),
+                vs_ddp_per_launch=[statistics.median(ratios[system]) for _, ratios, _ in launches],
+                loss_per_launch=[sum(r["loss"] for r in results[system]) / args.world for _, _, results in launches])
 
 
 def table(rows, args, psi, notes):
@@ -423,7 +411,7 @@ def table(rows, args, psi, notes):
               f"{r['loss']:.6f}"] for r in rows]
     headers = ["system", "ms/step [spread]", "vs DDP", "states MB", "Section 5 MB", "ratio", "peak MB",
                "sent MB", "Section 7 MB", "sent by collective, MB", "final loss"]
-    legend = [f"world {args.world} (gloo, CPU, {args.threads} thread/rank{', pinned' if args.pin else ''}) | {args.model}: Ψ = {psi / 1e6:.2f}M | "
+    legend = [f"world {args.world} (gloo, CPU, {args.threads} thread/rank, pinned) | {args.model}: Ψ = {psi / 1e6:.2f}M | "
               f"batch {args.batch_size} x {args.seq_len} per rank | {args.launches} launch(es), each {args.warmup} "
               f"warm-up steps, then {args.repeats} round(s) of one turn per system: a lead-in step, {args.steps} timed",
               "ms/step: median over the rounds [interquartile range]; vs DDP: per round, the system's time over the "
@@ -441,17 +429,15 @@ def table(rows, args, psi, notes):
 
 def drive(args, launch, nodes):
     """Start every system and the clock (on the emulated nodes, if any), run the rounds and the
-    probes: (times, vs_clock, results)."""
+    probes: (times, vs_clock, results), each {system: ...}."""
     t0 = time.perf_counter()
     servers = {s: Server(s, args, nodes) for s in args.systems}  # all start (and warm up) at once
     for server in servers.values():
         server.replies()  # "ready"
     print(f"launch {launch + 1}/{args.launches}: {len(servers)} systems x {args.world} ranks started and warmed up "
           f"in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    # Each turn is bracketed by two turns of a clock: one more DDP process group, timed but not
-    # reported. A system's ratio in a round is its time over the mean of the clock's just before
-    # and after it (seconds apart), so the machine's drift cancels; the DDP row's ratio is DDP
-    # against the clock, an A/A test: its spread is the noise floor.
+    # The clock: one more DDP process group, timed but not reported. A system's ratio in a round is
+    # its time over the mean of the clock's turns just before and after it (seconds apart).
     times = {s: [] for s in args.systems}  # per round: rank 0's ms per step in its turn
     vs_clock = {s: [] for s in args.systems}
     clock = servers["clock"] = Server("ddp", args, nodes)
@@ -481,37 +467,25 @@ def main(argv=None):
     skipped = [s for s in args.systems if s.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None]
     args.systems = [s for s in args.systems if s not in skipped]
     psi = num_params(PRESETS[args.model])
-    # Every launch starts every system afresh. One process group can run a few percent faster or
-    # slower than an identical one for as long as it lives (measured: DDP against the DDP clock,
-    # 0.91 to 1.05 from one launch to the next), so the rounds of several launches are pooled.
-    times, vs_clock = {s: [] for s in args.systems}, {s: [] for s in args.systems}
-    per_launch, launch_results = {s: [] for s in args.systems}, []
+    # Every launch starts every system afresh: one process group can run a few percent faster or
+    # slower than an identical one for as long as it lives, so the rounds of several launches are pooled.
+    launches = []
     with emulated_nodes(args) as nodes:  # --nodes: made here, deleted on the way out, whatever happens
         for launch in range(args.launches):
             try:
-                t, v, results = drive(args, launch, nodes)
+                launches.append(drive(args, launch, nodes))
             except BaseException:
                 for p in mp.active_children():  # ranks left waiting for orders would keep this process alive
                     p.kill()
                 raise
-            for s in args.systems:
-                times[s] += t[s]
-                vs_clock[s] += v[s]
-                per_launch[s].append(statistics.median(v[s]))
-            launch_results.append(results)
-    # bytes and loss from the first launch's probes; every launch ran the same steps on the same data
-    rows = {s: summarize(s, times[s], vs_clock[s], launch_results[0][s], args, psi) for s in args.systems}
-    notes = []
-    for s, r in rows.items():
-        r["vs_ddp"], r["vs_ddp_per_launch"] = ratio(r["vs_clock"]), per_launch[s]
-        r["loss_per_launch"] = [sum(x["loss"] for x in res[s]) / args.world for res in launch_results]
+    rows = {s: summarize(s, launches, args, psi) for s in args.systems}
     first = next(iter(rows.values()))["loss"]
     differ = [r["label"] for r in rows.values() if any(loss != first for loss in r["loss_per_launch"])]
-    notes.append(f"final loss: differs for {', '.join(differ)}" if differ else
-                 f"final loss: the same float for every system{' in every launch' if args.launches > 1 else ''}")
+    notes = [f"final loss: differs for {', '.join(differ)}" if differ else
+             f"final loss: the same float for every system{' in every launch' if args.launches > 1 else ''}"]
     if "ddp" in rows and args.launches > 1:
         notes.append("DDP against the clock (A/A), median in each launch: "
-                     + ", ".join(f"{x:.2f}" for x in per_launch["ddp"]))
+                     + ", ".join(f"{x:.2f}" for x in rows["ddp"]["vs_ddp_per_launch"]))
     if "fsdp2" in rows and "zero3" in rows:
         notes.append("zero.py stage 3 / FSDP2 step time: "
                      + ratio([a / b for a, b in zip(rows["zero3"]["vs_clock"], rows["fsdp2"]["vs_clock"])]))

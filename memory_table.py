@@ -1,44 +1,49 @@
 """
-memory_table.py -- the paper's memory tables, by its formulas, by measurement on real ranks and
-by simulation at its scale, set beside the published numbers.
+memory_table.py -- the paper's memory tables by its formulas, measured on real ranks, simulated at
+its scale, and Table 2's measured columns under a real memory cap, beside the published numbers.
+docs/memory.md has the output and the method.
 
-ZeRO (Rajbhandari et al. 2020) sizes every stage of ZeRO-DP by one formula per stage (Section 5,
-Figure 1). This file evaluates those formulas for the paper's Table 1 (per-device model-state
-memory) and Table 2 (largest model that fits on 32 GB devices) and marks where they agree with
-the published cells; measures zero.py's model states, activations and communication on gloo
-ranks; runs zero.py's own partitioning of 7.5B-1T models on the meta device in a fake world;
-and, as Table 2's measured columns, finds the largest model each stage trains under a real
-per-rank memory cap.
-
-    python memory_table.py                      # every section
-    python memory_table.py --formula            # Tables 1 and 2 by formula
-    python memory_table.py --formula --json     # the same rows as one JSON object
-    .venv/bin/python -m pytest -q test_memory_table.py
-
-    python memory_table.py --simulate           # zero.py itself at 7.5B / Nd 64, 128B / 256, 1T / 1024
-    python memory_table.py --simulate --sizes 1t   # one of them
-
+    python memory_table.py                      # every section but --fit
+    python memory_table.py --formula --json     # Tables 1 and 2 by formula, as rows
+    python memory_table.py --simulate --sizes 1t   # zero.py itself at 7.5B / Nd 64, 128B / 256, 1T / 1024
     python memory_table.py --measure --comm --world 2 4   # real gloo ranks: bytes and traffic
+    python memory_table.py --fit                # the largest model per stage under a 200 MB cap (minutes)
 
-    python memory_table.py --fit                # Table 2 measured: the largest model per stage under
-                                                # a real 200 MB cap per rank, Nd 4 (minutes; --budget, --nd)
 GB means 10^9 bytes throughout, as in the paper.
 """
 import argparse
 import collections
 import contextlib
+import ctypes
 import dataclasses
+import gc
+import inspect
 import json
 import math
+import queue
+import re
+import resource
+import signal
+import statistics
+import sys
 import time
 import warnings
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from fractions import Fraction
 
+import torch
+import torch.distributed as dist
 from tabulate import tabulate
+
+import train
+import zero
+from gpt import GPT, PRESETS, make_mesh, num_params
+from ranks import run_on_ranks
 
 STAGES = ["baseline", "P_os", "P_os+g", "P_os+g+p"]   # stage 0 (plain DP), 1, 2, 3
 GB = 1e9                                              # bytes; the paper's GB
+DTYPES = {"fp32": ("float32", 4, 4, 8), "bf16": ("bfloat16", 2, 2, 12)}   # name, param, grad bytes, K
+
 
 # ---------------------------------------------------------------------------
 # Section 5 / Figure 1 -- model states per device, by stage
@@ -52,8 +57,6 @@ def model_state_terms(psi, nd, stage, K=12, param_bytes=2, grad_bytes=2):
     data-parallel degree nd, ZeRO stage."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3 (got {stage!r})")
-    if nd < 1:
-        raise ValueError(f"nd must be a positive data-parallel degree (got {nd!r})")
     params = param_bytes * psi / (nd if stage >= 3 else 1)   # fp16 parameters: split at P_os+g+p
     grads = grad_bytes * psi / (nd if stage >= 2 else 1)     # fp16 gradients: split from P_os+g
     optim = K * psi / (nd if stage >= 1 else 1)              # optimizer states: split from P_os
@@ -63,6 +66,13 @@ def model_state_terms(psi, nd, stage, K=12, param_bytes=2, grad_bytes=2):
 def model_state_bytes(psi, nd, stage, K=12, param_bytes=2, grad_bytes=2):
     """Bytes of model states on one device: psi parameters, data-parallel degree nd, ZeRO stage."""
     return sum(model_state_terms(psi, nd, stage, K, param_bytes, grad_bytes))
+
+
+def dtype_terms(psi, nd, stage, dtype):
+    """model_state_terms for a DTYPES key: fp32 4 + 4 bytes and K = 8 (momentum, variance), bf16
+    2 + 2 and K = 12 (fp32 master, momentum, variance)."""
+    _, param_bytes, grad_bytes, K = DTYPES[dtype]
+    return model_state_terms(psi, nd, stage, K, param_bytes, grad_bytes)
 
 
 def agrees(ours, published_text):
@@ -80,9 +90,12 @@ def agrees(ours, published_text):
     return number in (value.quantize(step, ROUND_HALF_UP), value.quantize(step, ROUND_DOWN))
 
 
-def _fmt(x):
-    """The float's shortest exact decimal, without a trailing .0: 120, 0.1171875, 30.087890625."""
-    return repr(float(x)).removesuffix(".0")
+def _cell(ours, published, ok):
+    return f"{ours} | {published} {'✓' if ok else '✗'}"
+
+
+def _table(rows, headers):
+    return tabulate(rows, headers, disable_numparse=True)
 
 
 # ---------------------------------------------------------------------------
@@ -90,7 +103,6 @@ def _fmt(x):
 # ---------------------------------------------------------------------------
 
 TABLE1_PSI = {"7.5B": 7.5e9, "128B": 128e9, "1T": 1e12}    # the paper's round Ψ, not gpt.py's
-TABLE1_ND = [1, 4, 16, 64, 256, 1024]
 # PUBLISHED Table 1, as printed in the paper: {Ψ: {Nd: (P_os, P_os+g, P_os+g+p)}} in GB
 TABLE1_PUBLISHED = {
     "7.5B": {1: ("120", "120", "120"), 4: ("52.5", "41.3", "30"), 16: ("35.6", "21.6", "7.5"),
@@ -109,13 +121,23 @@ def table1_rows():
     """One row per cell: 3 models x 6 Nd x 3 stages = 54 rows."""
     rows = []
     for model, psi in TABLE1_PSI.items():
-        for nd in TABLE1_ND:
+        for nd, published in TABLE1_PUBLISHED[model].items():
             for stage in (1, 2, 3):
                 gb = model_state_bytes(psi, nd, stage) / GB
-                published = TABLE1_PUBLISHED[model][nd][stage - 1]
-                rows.append(dict(model=model, psi=psi, nd=nd, stage=stage, name=STAGES[stage],
-                                 gb=gb, published=published, agrees=agrees(gb, published)))
+                rows.append(dict(model=model, psi=psi, nd=nd, stage=stage, name=STAGES[stage], gb=gb,
+                                 published=published[stage - 1], agrees=agrees(gb, published[stage - 1])))
     return rows
+
+
+def table1_text(rows):
+    """Pivot the 54 cells back to the paper's shape: one line per (Ψ, Nd), one column per stage.
+    Ours as the float's shortest exact decimal, without a trailing .0: 120, 30.087890625."""
+    lines = {}
+    for r in rows:
+        ours = repr(r["gb"]).removesuffix(".0")
+        lines.setdefault((r["model"], r["nd"]), []).append(_cell(ours, r["published"], r["agrees"]))
+    table = [[model, nd, *cells] for (model, nd), cells in lines.items()]
+    return _table(table, ["Ψ", "Nd"] + [f"{s}: ours | paper" for s in STAGES[1:]]) + "\n" + AGREEMENT_RULE
 
 
 # ---------------------------------------------------------------------------
@@ -152,24 +174,6 @@ def table2_rows():
     return rows
 
 
-# ---------------------------------------------------------------------------
-# Sections: each returns {key: {"heading", "rows", "text"}}; main prints text or JSON.
-# ---------------------------------------------------------------------------
-
-def _cell(ours, published, ok):
-    return f"{ours} | {published} {'✓' if ok else '✗'}"
-
-
-def table1_text(rows):
-    """Pivot the 54 cells back to the paper's shape: one line per (Ψ, Nd), one column per stage."""
-    lines = {}
-    for r in rows:
-        lines.setdefault((r["model"], r["nd"]), []).append(_cell(_fmt(r["gb"]), r["published"], r["agrees"]))
-    table = [[model, nd, *cells] for (model, nd), cells in lines.items()]
-    headers = ["Ψ", "Nd"] + [f"{s}: ours | paper" for s in STAGES[1:]]
-    return tabulate(table, headers, disable_numparse=True) + "\n" + AGREEMENT_RULE
-
-
 def table2_text(rows):
     """One line per MP; ours in the published cell's unit (B or T), then the measured columns."""
     lines = {}
@@ -179,9 +183,10 @@ def table2_text(rows):
         lines.setdefault(r["mp"], []).append(_cell(ours, r["published"], r["agrees"]))
     table = [[mp, mp * TABLE2_ND, *cells, *TABLE2_PUBLISHED[mp][4:]] for mp, cells in lines.items()]
     headers = ["MP", "GPUs", *STAGES, "measured: baseline", "measured: P_os"]
-    return "each cell: ours | paper\n" + tabulate(table, headers, disable_numparse=True) + "\n" + TABLE2_NOTE
+    return "each cell: ours | paper\n" + _table(table, headers) + "\n" + TABLE2_NOTE
 
 
+# Each section returns {key: {"heading", "rows", "text"}}; main prints the texts or the rows as JSON.
 def formula_section(args):
     """Tables 1 and 2 by formula."""
     t1, t2 = table1_rows(), table2_rows()
@@ -196,21 +201,17 @@ def formula_section(args):
 # ---------------------------------------------------------------------------
 # Section 4 -- simulated at the paper's scale: gpt.py's 7.5B, 128B and 1T models on the meta
 # device (no memory) inside a fake process group of Nd ranks (collectives move no data),
-# running zero.py's own code as rank 0: initialize, one forward and backward, one step. The
-# bytes are counted from the tensors then alive (meta tensors have sizes, not data).
+# running zero.py's own code: initialize, one forward and backward, one step. The bytes are
+# counted from the tensors then alive (meta tensors have sizes, not data).
 # ---------------------------------------------------------------------------
 
 SIMULATED = [("7.5b", "7.5B", 64), ("128b", "128B", 256), ("1t", "1T", 1024)]
 
 
-def simulate(preset, nd, stage, rank=0):
+def simulate(preset, nd, stage, rank):
     """zero.py at `stage` for a meta GPT, as `rank` of a fake world of nd, default buckets:
     (Ψ, model-state bytes after backward, the CommCounter of one training step)."""
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    import zero
-    from gpt import GPT, PRESETS
+    from torch.testing._internal.distributed.fake_pg import FakeStore   # registers the "fake" backend
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=nd)
     before = zero.live_tensor_bytes("meta")  # what an earlier simulation may have left, not yet collected
     try:
@@ -223,9 +224,7 @@ def simulate(preset, nd, stage, rank=0):
         optimizer.backward(model(idx, idx)[1])  # stage 3 learns the units' order
         optimizer.step()  # the optimizer states exist from here on
         optimizer.zero_grad()
-        persistent = [t.untyped_storage()._cdata for t in optimizer.parameters.storages() +
-                      optimizer.gradients.storages()]
-        with CommCounter(persistent) as comm:  # one training step
+        with CommCounter(_zero_storages(optimizer)) as comm:  # one training step
             optimizer.backward(model(idx, idx)[1])
             measured = zero.live_tensor_bytes("meta") - before - idx.numel() * idx.element_size()  # after backward
             optimizer.step()
@@ -236,7 +235,6 @@ def simulate(preset, nd, stage, rank=0):
 
 
 def simulate_section(args):
-    import zero
     rows, comm_rows = [], []
     for preset, paper_model, nd in [m for m in SIMULATED if m[0] in args.sizes]:
         for stage in (1, 2, 3):
@@ -255,7 +253,7 @@ def simulate_section(args):
     table = [[r["model"], f"{r['psi'] / 1e9:.2f}B", r["nd"], r["name"], f"{r['measured_gb']:.4f}",
               f"{r['formula_gb']:.4f}", f"{r['ratio']:.5f}", r["published_gb"], f"{r['seconds']:.1f}"] for r in rows]
     headers = ["model", "Ψ", "Nd", "stage", "measured GB/rank", "formula GB", "ratio", "Table 1 (Ψ rounded)", "s (2 ranks)"]
-    text = (tabulate(table, headers, disable_numparse=True) +
+    text = (_table(table, headers) +
             "\nmeasured: bytes of the meta tensors alive after backward on rank 0 of a fake world of Nd ranks,\n"
             "zero.py's real partitioning (bf16 parameters and gradients, fp32 master + Adam: K = 12); formula:\n"
             "Section 5 for gpt.py's exact Ψ; Table 1's cell is for the paper's round Ψ.")
@@ -263,7 +261,7 @@ def simulate_section(args):
               f"{r['largest_temporary_bytes'] / 2 / r['bucket_numel']:.2f}", f"{r['sent'] / r['psi']:.4f}",
               f"{r['received'] / r['psi']:.4f}"] for r in comm_rows]
     headers = ["model", "Nd", "stage", "rank", "largest temporary MiB", "in buckets", "sent / Ψ", "received / Ψ"]
-    comm_text = (tabulate(table, headers, disable_numparse=True) +
+    comm_text = (_table(table, headers) +
                  f"\none training step of the same runs, as rank 0 and as rank Nd-1, buckets of {zero.DEFAULT_BUCKET_NUMEL:,}"
                  " elements\n(the default). largest temporary: the largest tensor handed to a collective that is not\n"
                  "the parameters' or gradients' own storage, in MiB and in bf16 buckets; sent and received: elements\n"
@@ -279,28 +277,35 @@ def simulate_section(args):
 # Section 3 -- measured on real ranks. A small GPT trained two steps with zero.py; after the
 # second backward (the paper's accounting point: parameters, gradients and optimizer states all
 # exist) every storage created since the model was built and still alive is sorted:
-#   gradients         the storages the second backward wrote or created (backward writes no
-#                     other model state; the activations it frees are gone by then)
+#   gradients         the storages the second backward wrote or created
 #   optimizer states  tensors in a live torch.optim.Optimizer's state, and its parameters in
 #                     another dtype than the model's (16-bit training's fp32 master: K = 12)
-#   parameters        the rest: the nn.Parameters' storages (stages 0-2) or the shard they
-#                     are gathered from (stage 3)
+#   parameters        the rest: the nn.Parameters' storages, or stage 3's shard
 # This reads torch's objects and the bytes themselves, not zero.py's bookkeeping.
 # ---------------------------------------------------------------------------
 
-DTYPES = {"fp32": ("float32", 4, 4, 8), "bf16": ("bfloat16", 2, 2, 12)}   # name, param, grad bytes, K
+def _storage(t):
+    return t.untyped_storage()._cdata
+
+
+def _zero_storages(optimizer):
+    """The ids of zero.py's own parameter and gradient storages: what a collective is handed
+    without a temporary copy."""
+    return [_storage(t) for t in optimizer.parameters.storages() + optimizer.gradients.storages()]
 
 
 def _bytes(storage):
-    import torch
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)   # (nbytes,) a view of the raw bytes
+
+
+def _batch(config, batch_size, seq_len, seed):
+    """(batch_size, seq_len + 1) random tokens, the same for a seed: inputs idx[:, :-1], targets idx[:, 1:]."""
+    return torch.randint(config.vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(seed))
 
 
 def split_model_states(new, before_backward, dtype):
     """(parameter, gradient, optimizer-state) bytes of the storages `new`, given a copy of each
     storage's bytes taken just before the backward."""
-    import gc
-    import torch
     grads = {s for s, st in new.items() if s not in before_backward or not torch.equal(_bytes(st), before_backward[s])}
     optim = set()
     with warnings.catch_warnings():
@@ -314,23 +319,14 @@ def split_model_states(new, before_backward, dtype):
     return sum(st.nbytes() for st in new.values()) - g_bytes - o_bytes, g_bytes, o_bytes
 
 
-def _storage(t):
-    return t.untyped_storage()._cdata
-
-
 def _config(preset):
     """A gpt.py preset by name, or a GPTConfig as it is."""
-    from gpt import PRESETS
     return PRESETS[preset] if isinstance(preset, str) else preset
 
 
 def measure_on_rank(stage, dtype_name, preset, batch_size=4, seq_len=64):
     """One configuration on this rank: (Ψ, model-state split, activation bytes, the CUDA
     allocator's bytes after backward beyond those before the model (None on the CPU))."""
-    import torch
-    import torch.distributed as dist
-    import zero
-    from gpt import GPT
     dtype, config = getattr(torch, DTYPES[dtype_name][0]), _config(preset)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     before = zero.live_storages(device.type)   # held: no new storage can take one of their ids
@@ -341,8 +337,7 @@ def measure_on_rank(stage, dtype_name, preset, batch_size=4, seq_len=64):
                                        param_dtype=None if dtype == torch.float32 else dtype,
                                        stage3_units=module.h, init_fn=module.init_weights, device=device)
     memory = zero.MemoryHooks(model, every_module=False)
-    g = torch.Generator().manual_seed(dist.get_rank())
-    idx = torch.randint(config.vocab_size, (batch_size, seq_len + 1), generator=g).to(device)
+    idx = _batch(config, batch_size, seq_len, dist.get_rank()).to(device)
     before[_storage(idx)] = idx.untyped_storage()
     for step in range(2):
         memory.recording = step == 1
@@ -372,11 +367,10 @@ def each_on_rank(fn, configs):
 
 
 # ---------------------------------------------------------------------------
-# Section 7 -- communication volume: elements each rank sends in one training step (forward,
-# backward, step), counted by wrapping the torch.distributed collectives zero.py calls.
-# Convention (ring algorithms, as in the paper's Section 7): all_gather and reduce_scatter send
-# (n-1)/n of the full tensor from every rank; broadcast (n-1)/n of the tensor per rank on
-# average (a pipelined chain: every rank but the last forwards it); all_reduce 2(n-1)/n;
+# Section 7 -- communication volume: elements each rank sends in one training step, counted by
+# wrapping the torch.distributed collectives zero.py calls. Convention (ring algorithms, as in
+# Section 7): all_gather and reduce_scatter send (n-1)/n of the full tensor from every rank;
+# broadcast (n-1)/n of the tensor per rank on average (a pipelined chain); all_reduce 2(n-1)/n;
 # all_to_all_single the elements it sends to the other ranks (point to point: no convention).
 # ---------------------------------------------------------------------------
 
@@ -403,9 +397,6 @@ class CommCounter:
         self.received, self.largest, self.persistent = collections.Counter(), 0, set(persistent)
 
     def _counted(self, name, fn):
-        import inspect
-        import torch
-        import torch.distributed as dist
         signature, (arg, elements) = inspect.signature(fn), self.SENT[name]
 
         def call(*args, **kwargs):
@@ -420,35 +411,28 @@ class CommCounter:
             self.received[(self.phase, name)] += (sent if name != "all_to_all_single" else sum(splits) - splits[r]
                                                   if splits else Fraction(n - 1, n) * a["output"].numel())
             for t in a.values():
-                if torch.is_tensor(t) and t.untyped_storage()._cdata not in self.persistent:
+                if torch.is_tensor(t) and _storage(t) not in self.persistent:
                     self.largest = max(self.largest, t.numel() * t.element_size())
             return fn(*args, **kwargs)
         return call
 
     def __enter__(self):
-        import torch.distributed as dist
         for name in self.SENT:
             self.saved[name] = getattr(dist, name)
             setattr(dist, name, self._counted(name, self.saved[name]))
         return self
 
     def __exit__(self, *exc):
-        import torch.distributed as dist
         for name, original in self.saved.items():
             setattr(dist, name, original)
 
 
 def comm_on_rank(stage, preset, batch_size=2, seq_len=32):
     """{(phase, collective): elements this rank sent} in its second training step (the first warms up)."""
-    import torch
-    import torch.distributed as dist
-    import zero
-    from gpt import GPT
     config = _config(preset)
     module = GPT(config, seed=0)
     model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=stage, lr=1e-3, stage3_units=module.h)
-    g = torch.Generator().manual_seed(dist.get_rank())
-    idx = torch.randint(config.vocab_size, (batch_size, seq_len + 1), generator=g)
+    idx = _batch(config, batch_size, seq_len, dist.get_rank())
     counter = CommCounter()
     for step in range(2):   # the first step is a warm-up (stage 3 learns the units' order)
         with counter if step == 1 else contextlib.nullcontext():
@@ -464,27 +448,22 @@ def comm_on_rank(stage, preset, batch_size=2, seq_len=32):
 
 # ---------------------------------------------------------------------------
 # Section 6.1 -- activation memory with and without checkpointing and P_a, on 2 ranks as one
-# tensor-parallel group: what forward keeps for backward, per rank (live bytes at the end of
-# the root's forward minus at its start, from zero.MemoryHooks).
+# tensor-parallel group: what forward keeps for backward, per rank (zero.MemoryHooks).
 # ---------------------------------------------------------------------------
 
 CHECKPOINTING = ["none", "full", "P_a", "P_a+cpu"]
 
 
-def activations_on_rank(checkpoint, preset, tp, batch_size=8, seq_len=128):
-    import torch
-    import torch.distributed as dist
-    import zero
-    from gpt import GPT, PRESETS, make_mesh
-    dp_group, tp_group = make_mesh(dist.get_world_size() // tp, tp)
-    module = GPT(PRESETS[preset], tp_group=tp_group if tp > 1 else None, seed=0)
+def activations_on_rank(checkpoint, preset, batch_size=8, seq_len=128):
+    """What forward keeps for backward on this rank of 2, one tensor-parallel group (Megatron)."""
+    dp_group, tp_group = make_mesh(1, 2)
+    module = GPT(PRESETS[preset], tp_group=tp_group, seed=0)
     model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=1, group=dp_group, lr=1e-3)
     if checkpoint != "none":
-        zero.checkpoint_activations(model.h, tp_group=tp_group if tp > 1 else None,
-                                    partition=checkpoint.startswith("P_a"), cpu=checkpoint == "P_a+cpu")
+        zero.checkpoint_activations(model.h, tp_group=tp_group, partition=checkpoint.startswith("P_a"),
+                                    cpu=checkpoint == "P_a+cpu")
     memory = zero.MemoryHooks(model, every_module=False)
-    g = torch.Generator().manual_seed(dist.get_rank(dp_group))
-    idx = torch.randint(PRESETS[preset].vocab_size, (batch_size, seq_len + 1), generator=g)
+    idx = _batch(PRESETS[preset], batch_size, seq_len, dist.get_rank(dp_group))
     memory.recording = True
     loss = model(idx[:, :-1], idx[:, 1:])[1]
     memory.recording = False
@@ -494,43 +473,34 @@ def activations_on_rank(checkpoint, preset, tp, batch_size=8, seq_len=128):
 
 def measure_section(args):
     """Model states on real ranks, split and set beside the formula; activations with P_a."""
-    from gpt import num_params, PRESETS
-    from ranks import run_on_ranks
-    rows = []
-    import torch
     backend = "nccl" if torch.cuda.device_count() >= max(args.world) else "gloo"  # a GPU per rank, or the CPU
+    rows, worst = [], []   # worst: per configuration, the rank holding the most (the per-device figure)
     for nd in args.world:
         configs = [(stage, dt, args.model) for dt in DTYPES for stage in (0, 1, 2, 3)]
         per_rank = run_on_ranks(nd, each_on_rank, measure_on_rank, configs, backend=backend)
-        for k, (stage, dt, model) in enumerate(configs):
-            _, param_bytes, grad_bytes, K = DTYPES[dt]
+        for k, (stage, dt, _) in enumerate(configs):
             psi = per_rank[0][k][0]
-            formula = model_state_terms(psi, nd, stage, K, param_bytes, grad_bytes)
+            formula = dtype_terms(psi, nd, stage, dt)
             for rank, results in enumerate(per_rank):
                 split, activations, allocator = results[k][1:]
                 rows.append(dict(nd=nd, rank=rank, stage=stage, name=STAGES[stage], dtype=dt, psi=psi, allocator=allocator,
                                  params=split[0], grads=split[1], optim=split[2], total=sum(split),
                                  formula_params=formula[0], formula_grads=formula[1], formula_optim=formula[2],
                                  formula=sum(formula), ratio=sum(split) / sum(formula), activations=activations))
-    worst = {}   # the per-device figure: the rank holding the most
-    for r in rows:
-        key = (r["dtype"], r["nd"], r["stage"])
-        if key not in worst or r["total"] > worst[key]["total"]:
-            worst[key] = r
+            worst.append(max(rows[-nd:], key=lambda r: r["total"]))
     table = [[r["dtype"], r["nd"], r["name"]] +
              [f"{r[k] / 1e6:.3f} / {r['formula_' + k] / 1e6:.3f}" for k in ("params", "grads", "optim")] +
              [f"{r['total'] / 1e6:.3f}", f"{r['formula'] / 1e6:.3f}", f"{r['ratio']:.4f}", f"{r['activations'] / 1e6:.2f}"]
-             for r in worst.values()]
+             for r in worst]
     headers = ["dtype", "Nd", "stage", "params MB: measured / formula", "grads MB", "optimizer MB",
                "model states MB", "formula MB", "ratio", "activations MB"]
-    psi = num_params(PRESETS[args.model])
     if backend == "nccl":  # the CUDA allocator's own figure beside the live tensors'
         headers.append("CUDA allocator MB")
-        for row, r in zip(table, worst.values()):
-            row.append(f"{r['allocator'] / 1e6:.3f}")
+        for line, r in zip(table, worst):
+            line.append(f"{r['allocator'] / 1e6:.3f}")
     where = "NCCL ranks, one GPU each" if backend == "nccl" else "gloo ranks on the CPU"
-    text = (f"gpt.py '{args.model}' (Ψ = {psi:,}), AdamW, zero.py on Nd {where}, after the second backward.\n" +
-            tabulate(table, headers, disable_numparse=True) +
+    text = (f"gpt.py '{args.model}' (Ψ = {num_params(PRESETS[args.model]):,}), AdamW, zero.py on Nd {where}, "
+            "after the second backward.\n" + _table(table, headers) +
             "\nmeasured (the rank holding the most; --json has every rank): storages alive in the rank, sorted:\n"
             "gradients = what the backward wrote or created; optimizer states = a torch.optim.Optimizer's state\n"
             "and, in bf16, its fp32 master copy; parameters = the rest (nn.Parameters, or stage 3's shard).\n"
@@ -541,13 +511,12 @@ def measure_section(args):
     sections = {"measure": dict(heading="Measured on real ranks: per-rank model states against the formula (Section 5)",
                                 rows=rows, text=text)}
     if max(args.world) >= 2:   # Section 6.1: tensor parallel over 2 ranks
-        acts = run_on_ranks(2, each_on_rank, activations_on_rank, [(c, args.model, 2) for c in CHECKPOINTING])
+        acts = run_on_ranks(2, each_on_rank, activations_on_rank, [(c, args.model) for c in CHECKPOINTING])
         rows = [dict(checkpoint=c, tp=2, rank=rank, activations=acts[rank][k]) for k, c in enumerate(CHECKPOINTING)
                 for rank in range(2)]
-        none = {r["rank"]: r["activations"] for r in rows if r["checkpoint"] == "none"}
-        table = [[r["checkpoint"], r["rank"], f"{r['activations'] / 1e6:.3f}", f"{r['activations'] / none[r['rank']]:.3f}"]
-                 for r in rows]
-        text = (tabulate(table, ["checkpointing", "rank", "activations MB", "vs none"], disable_numparse=True) +
+        table = [[r["checkpoint"], r["rank"], f"{r['activations'] / 1e6:.3f}",
+                  f"{r['activations'] / acts[r['rank']][0]:.3f}"] for r in rows]   # acts[rank][0]: no checkpointing
+        text = (_table(table, ["checkpointing", "rank", "activations MB", "vs none"]) +
                 f"\ngpt.py '{args.model}', batch 8 x 128 tokens, tp = 2 (Megatron), on 2 gloo ranks. full: the blocks'\n"
                 "inputs are kept and the blocks recomputed in backward; P_a keeps 1/tp of each input and all-gathers\n"
                 "it before recomputation; P_a+cpu keeps that part in CPU memory (the same memory on a CPU run).")
@@ -559,8 +528,6 @@ def measure_section(args):
 def padded_per_unit(preset, nd):
     """Ψ padded as stage 3 lays it out: each unit it gathers (a block, the tied embedding, the
     positions, ln_f) a run of buckets padded to a multiple of zero.ALIGN x Nd."""
-    import zero
-    from gpt import GPT
     model = GPT(_config(preset), device="meta")
     units = [[model.wte.weight], [model.wpe.weight], *[list(b.parameters()) for b in model.h],
              list(model.ln_f.parameters())]
@@ -569,9 +536,6 @@ def padded_per_unit(preset, nd):
 
 def comm_section(args):
     """Elements each rank sends per step, as a multiple of Ψ."""
-    import zero
-    from gpt import PRESETS, num_params
-    from ranks import run_on_ranks
     psi = num_params(PRESETS[args.model])
     rows = []
     for nd in [n for n in args.world if n > 1]:
@@ -600,7 +564,7 @@ def comm_section(args):
     headers = ["Nd", "stage", "forward Ψ", "backward Ψ", "step Ψ", "total Ψ", "expected Ψ", "paper (ring)",
                "control elements", "collectives"]
     text = (f"gpt.py '{args.model}' (Ψ = {psi:,}), AdamW, one training step after a warm-up, mean over ranks.\n" +
-            tabulate(table, headers, disable_numparse=True) +
+            _table(table, headers) +
             "\nelements sent per rank / Ψ, counted by wrapping torch.distributed's collectives. Convention (ring,\n"
             "as Section 7): all_gather and broadcast (n-1)/n of the tensor per rank, all_reduce 2(n-1)/n,\n"
             "all_to_all the elements sent to other ranks. expected (✓ = equal as exact fractions): (n-1)/n x 2Ψ\n"
@@ -611,19 +575,16 @@ def comm_section(args):
 
 
 # ---------------------------------------------------------------------------
-# Table 2, measured -- the largest model that trains under a real per-rank memory cap.
-# The paper's measured columns (1.3B baseline and 6.2B with P_os on 32 GB V100s, against 2B
-# and 7.6B by formula) in miniature. Each try starts Nd fresh gloo ranks (run_on_ranks). A rank
-# loads what training needs (torch, gloo, the kernels: a warm-up on a one-block model), reads
-# its address space (VmSize), caps it at that plus the budget (RLIMIT_AS), then builds a
-# gpt.py model and trains it two steps as train.py does: zero.initialize, AdamW with train.py's
-# settings, clipping, step. An allocation past the cap fails ("DefaultCPUAllocator: can't
-# allocate memory"); a failure on any rank means "did not fit", and run_on_ranks kills the
-# others. The search grows n_layer at a fixed width: one gpt.py preset, every other field kept.
+# Table 2, measured -- the paper's measured columns (1.3B baseline and 6.2B with P_os on 32 GB
+# V100s, against 2B and 7.6B by formula) in miniature: the largest gpt.py model (one preset,
+# n_layer grown) that trains two steps as train.py does on Nd fresh gloo ranks, each with its
+# address space capped (RLIMIT_AS) at what it holds before the model + the budget. A failed
+# allocation on any rank means "did not fit". docs/memory.md describes the cap and the search.
 # ---------------------------------------------------------------------------
 
 FIT_BUDGET_MB = 200   # per rank: the default run fits a handful of blocks at stage 0
 M_ARENA_MAX, M_MMAP_THRESHOLD = -8, -3   # glibc's mallopt parameters (malloc.h)
+ALARM_S = 900   # a rank left waiting for a peer that died without a word ends itself after this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -656,10 +617,6 @@ def _vm(field="VmSize"):
 def _warm_up(setting, dtype):
     """Run the kernels and collectives of a training step on a one-block model, so that what the
     libraries map lazily (code, thread buffers) is there before the address space is read."""
-    import gc
-    import torch
-    import torch.distributed as dist
-    from gpt import GPT
     config = fit_config(setting.family, 1)
     module = GPT(config, seed=0).to(dtype)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
@@ -680,30 +637,16 @@ def _warm_up(setting, dtype):
     gc.collect()
 
 
-def train_under_cap(setting, stage, n_layer, alarm_s=900):
+def train_under_cap(setting, stage, n_layer):
     """On this rank: cap the address space, build the model, train two steps as train.py does.
-    Returns what the address space showed, in bytes above the rank's own before the model:
-    psi, peak (VmPeak; the warm-up's, one block's worth, is below any fit's), init_peak (VmPeak
-    when zero.initialize returns), steady (before the second forward: the model states as
-    held), activations (what the second forward added) and
-    largest_temporary (the largest tensor handed to a collective in the second step that is
-    not zero's parameter or gradient storage: C_B). Raises MemoryError("did not fit ...")
-    when an allocation fails under the cap."""
-    import ctypes
-    import resource
-    import signal
-    import torch
-    import torch.distributed as dist
-    import train
-    import zero
-    from gpt import GPT
-    signal.alarm(alarm_s)   # a rank left waiting for a peer that died without a word ends itself
-    # glibc reserves 64 MB of address space for each thread's malloc arena (gloo's threads
-    # included): one arena for every thread, so the cap counts memory, not reservations. And a
-    # fixed mmap threshold: every allocation of 128 KB or more (every tensor that matters) is
-    # a mapping of its own, unmapped when freed. By default the threshold rises to the largest
-    # block freed so far; smaller tensors then go to the heap, whose freed pages stay mapped
-    # (counted against the cap, or reused beyond it: the warm-up's would be).
+    Returns psi and, in bytes above the rank's address space before the model: peak (VmPeak),
+    init_peak (VmPeak when zero.initialize returns), steady (before the second forward: the model
+    states as held), activations (what the second forward added) and largest_temporary (C_B: the
+    largest tensor handed to a collective in the second step that is not zero.py's own storage).
+    Raises MemoryError("did not fit ...") when an allocation fails under the cap."""
+    signal.alarm(ALARM_S)
+    # glibc: one malloc arena for every thread (each would reserve 64 MB of address space), and
+    # a fixed mmap threshold, so that every tensor that matters is a mapping unmapped when freed
     libc = ctypes.CDLL(None)
     libc.mallopt(M_ARENA_MAX, 1)
     libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
@@ -711,8 +654,7 @@ def train_under_cap(setting, stage, n_layer, alarm_s=900):
     dtype = getattr(torch, DTYPES[setting.dtype][0])
     config = fit_config(setting.family, n_layer)
     _warm_up(setting, dtype)
-    g = torch.Generator().manual_seed(dist.get_rank())
-    idx = torch.randint(config.vocab_size, (setting.batch_size, setting.seq_len + 1), generator=g)   # (B, T + 1)
+    idx = _batch(config, setting.batch_size, setting.seq_len, dist.get_rank())
     base = _vm()
     limit = resource.getrlimit(resource.RLIMIT_AS)
     if setting.budget is not None:
@@ -737,8 +679,7 @@ def train_under_cap(setting, stage, n_layer, alarm_s=900):
             if step == 2:   # the steady state: parameters, gradients (stages 0-1) and optimizer states
                 optimizer.wait_params()   # what the forward waits for anyway (stages 1-2's gathers in flight)
                 seen["steady"] = _vm() - base
-            persistent = [_storage(t) for t in optimizer.parameters.storages() + optimizer.gradients.storages()]
-            with CommCounter(persistent) as comm:
+            with CommCounter(_zero_storages(optimizer)) as comm:
                 phase = f"forward {step}"
                 loss = model(idx[:, :-1], idx[:, 1:])[1]
                 if step == 2:
@@ -765,15 +706,13 @@ def train_under_cap(setting, stage, n_layer, alarm_s=900):
     return dict(psi=psi, peak=_vm("VmPeak") - base, **seen)
 
 
-def try_fit(setting, stage, n_layer, alarm_s=900):
+def try_fit(setting, stage, n_layer):
     """One try on setting.nd fresh ranks: (True, every rank's train_under_cap result) if all
     trained two steps, (False, "did not fit: ...") if one ran out of memory under the cap."""
-    import queue
-    from ranks import run_on_ranks
     try:
-        return True, run_on_ranks(setting.nd, train_under_cap, setting, stage, n_layer, alarm_s, timeout=alarm_s + 60)
+        return True, run_on_ranks(setting.nd, train_under_cap, setting, stage, n_layer, timeout=ALARM_S + 60)
     except queue.Empty:
-        raise RuntimeError(f"no result in {alarm_s + 60} s at stage {stage}, n_layer {n_layer}: a rank died "
+        raise RuntimeError(f"no result in {ALARM_S + 60} s at stage {stage}, n_layer {n_layer}: a rank died "
                            "without reporting (its peers end themselves at the alarm)") from None
     except RuntimeError as e:
         line = next((l for l in str(e).splitlines() if l.startswith("MemoryError: did not fit")), None)
@@ -782,15 +721,15 @@ def try_fit(setting, stage, n_layer, alarm_s=900):
         return False, line.removeprefix("MemoryError: ")
 
 
-def largest_fit(fits, start, guess=lambda lo: None, most=1024):
+def largest_fit(fits, start, guess):
     """The largest n >= 1 with fits(n) and the smallest n without: (largest or 0, smallest); fits
     must hold up to some n and fail above it. From `start`; after a fit, next is guess(lo) (the
-    largest n that should fit, from what the fits measured) if it lies between the largest known
-    fit and the smallest known failure, or lo + 1 if it says lo; otherwise steps of 1, 2, 4, ...
-    up from a fit or down from a failure, then bisection. Every n is tried at most once."""
+    largest n that should fit) if it lies between the largest known fit and the smallest known
+    failure, or lo + 1 if it says lo; otherwise steps of 1, 2, 4, ... up from a fit or down from
+    a failure, then bisection. Every n is tried at most once."""
     lo, hi, step, n = 0, math.inf, 1, max(1, start)
     while hi - lo > 1:
-        if n > most:
+        if n > 1024:
             raise RuntimeError(f"n_layer {n} would still be tried: is the cap working? (budget too large)")
         if fits(n):
             lo = n
@@ -810,17 +749,9 @@ def largest_fit(fits, start, guess=lambda lo: None, most=1024):
     return lo, hi
 
 
-def section5_bytes(psi, nd, stage, dtype):
-    """Section 5's model states per rank for a DTYPES key: fp32 4 + 4 + 8 (K: momentum, variance)
-    bytes per parameter, bf16 2 + 2 + 12 (K: fp32 master, momentum, variance)."""
-    _, param_bytes, grad_bytes, K = DTYPES[dtype]
-    return model_state_bytes(psi, nd, stage, K, param_bytes, grad_bytes)
-
-
 def family_psi(family, n_layer):
     """Ψ of the family with n_layer blocks. Ψ is linear in n_layer, so a real n_layer gives a Ψ
     between two models'."""
-    from gpt import num_params
     psi0 = num_params(fit_config(family, 0))   # embeddings, positions, ln_f
     return psi0 + n_layer * (num_params(fit_config(family, 1)) - psi0)
 
@@ -828,7 +759,7 @@ def family_psi(family, n_layer):
 def predicted_psi(setting, stage, activations=(0, 0), temporary=0):
     """Ψ whose bytes per rank fill the budget: Section 5's model states, plus activations of
     a + b n_layer bytes and one temporary buffer (all linear in n_layer: solved for it)."""
-    per_psi = section5_bytes(1, setting.nd, stage, setting.dtype)   # bytes per parameter
+    per_psi = sum(dtype_terms(1, setting.nd, stage, setting.dtype))   # bytes per parameter
     psi0, psi_block = family_psi(setting.family, 0), family_psi(setting.family, 1) - family_psi(setting.family, 0)
     n_layer = (setting.budget - per_psi * psi0 - activations[0] - temporary) / (per_psi * psi_block + activations[1])
     return family_psi(setting.family, n_layer)
@@ -840,8 +771,10 @@ def _n_layer_of(family, psi):
 
 
 def _line(points):
-    """Least-squares (intercept, slope) through (n_layer, bytes); through 0 if only one n_layer."""
-    import statistics
+    """Least-squares (intercept, slope) through (n_layer, bytes); through 0 if only one n_layer;
+    (0, 0) if none."""
+    if not points:
+        return 0, 0
     xs, ys = zip(*points)
     if len(set(xs)) == 1:
         return 0.0, statistics.fmean(ys) / xs[0]
@@ -849,7 +782,7 @@ def _line(points):
     return intercept, slope
 
 
-def fit_stage(setting, stage, start, log=print):
+def fit_stage(setting, stage, start):
     """Search one stage: (largest n_layer that fits, smallest that does not, {n_layer: try})."""
     tries = {}
 
@@ -858,8 +791,8 @@ def fit_stage(setting, stage, start, log=print):
         ok, result = try_fit(setting, stage, n_layer)
         tries[n_layer] = dict(n_layer=n_layer, fits=ok, seconds=time.perf_counter() - t0,
                               ranks=result if ok else None, failure=None if ok else result)
-        log(f"  {setting.dtype} {STAGES[stage]:8s} n_layer {n_layer:3d}: {'fits' if ok else result} "
-            f"({tries[n_layer]['seconds']:.1f} s)")
+        print(f"  {setting.dtype} {STAGES[stage]:8s} n_layer {n_layer:3d}: {'fits' if ok else result} "
+              f"({tries[n_layer]['seconds']:.1f} s)", file=sys.stderr, flush=True)
         return ok
 
     def guess(lo):
@@ -872,7 +805,7 @@ def fit_stage(setting, stage, start, log=print):
             per_block = (p1 - p0) / (n1 - n0)
         else:
             block = family_psi(setting.family, 1) - family_psi(setting.family, 0)
-            per_block = (section5_bytes(block, setting.nd, stage, setting.dtype) +
+            per_block = (sum(dtype_terms(block, setting.nd, stage, setting.dtype)) +
                          max(r["activations"] for r in tries[lo]["ranks"]) / lo)
         return lo + math.floor((setting.budget - p1) / per_block) if per_block > 0 else None
 
@@ -881,8 +814,7 @@ def fit_stage(setting, stage, start, log=print):
 
 
 def fit_section(args):
-    """Issue 18: per dtype and stage, the largest model that trains under the cap, beside the formula's."""
-    import sys
+    """Per dtype and stage, the largest model that trains under the cap, beside the formula's."""
     rows, t_start = [], time.perf_counter()
     for dtype in args.dtypes:
         setting = FitSetting(nd=args.nd, budget=round(args.budget * 1e6), dtype=dtype, family=args.family,
@@ -894,15 +826,19 @@ def fit_section(args):
                 start = _n_layer_of(setting.family, predicted_psi(setting, 0) / 2)
             else:   # Section 5 plus the residuals seen so far, as far short as the stage before fell
                 last = rows[-1]
-                residuals = dict(activations=_line(kept) if kept else (0, 0), temporary=last["largest_temporary"])
+                residuals = dict(activations=_line(kept), temporary=last["largest_temporary"])
                 start = _n_layer_of(setting.family, predicted_psi(setting, stage, **residuals) * last["psi"] /
                                     predicted_psi(setting, stage - 1, **residuals))
-            n_layer, fails_at, tries = fit_stage(setting, stage, start,
-                                                 log=lambda line: print(line, file=sys.stderr, flush=True))
+            n_layer, fails_at, tries = fit_stage(setting, stage, start)
             kept += [(n, max(r["activations"] for r in t["ranks"])) for n, t in tries.items() if t["fits"]]
             rows.append(_fit_row(setting, stage, n_layer, fails_at, tries, time.perf_counter() - t0))
-        for r in rows[-4:]:   # the predictions, with every activation measured for this dtype
-            _predict(setting, r, _line(kept) if kept else (0, 0))
+        for r in rows[-4:]:   # the formula's largest model for the budget: Section 5 alone (as the
+            # paper's 7.6B), and Section 5 plus every activation measured for this dtype and C_B
+            for key, residuals in (("formula", {}), ("predicted", dict(activations=_line(kept),
+                                                                      temporary=r["largest_temporary"]))):
+                r[f"{key}_psi"] = predicted_psi(setting, r["stage"], **residuals)
+                r[f"{key}_ratio"] = r["psi"] / r[f"{key}_psi"]
+            r["activation_line"] = _line(kept)
     heading = (f"Table 2, measured: the largest model per stage that trains under a real {args.budget:g} MB cap "
                f"per rank, Nd = {args.nd}")
     return {"fit": dict(heading=heading, rows=rows, text=fit_text(rows, time.perf_counter() - t_start))}
@@ -910,7 +846,6 @@ def fit_section(args):
 
 def _fit_row(setting, stage, n_layer, fails_at, tries, seconds):
     """One stage's result; the bytes are the rank holding the most at the fit."""
-    import re
     fit = max(tries[n_layer]["ranks"], key=lambda r: r["peak"]) if n_layer else {}
     failure = tries[fails_at]["failure"]
     return dict(dataclasses.asdict(setting), stage=stage, name=STAGES[stage], n_layer=n_layer,
@@ -919,16 +854,6 @@ def _fit_row(setting, stage, n_layer, fails_at, tries, seconds):
                 **{k: fit.get(k) for k in ("peak", "init_peak", "steady", "activations")},
                 largest_temporary=fit.get("largest_temporary", 0),
                 tries=[{k: t[k] for k in ("n_layer", "fits", "seconds")} for t in tries.values()], seconds=seconds)
-
-
-def _predict(setting, row, activations):
-    """The formula's largest model for the row's budget: Section 5 alone (as the paper's 7.6B), and
-    Section 5 plus the activations and the temporary buffer the measurement shows."""
-    for key, residuals in (("formula", {}), ("predicted", dict(activations=activations,
-                                                              temporary=row["largest_temporary"]))):
-        row[f"{key}_psi"] = predicted_psi(setting, row["stage"], **residuals)
-        row[f"{key}_ratio"] = row["psi"] / row[f"{key}_psi"]
-    row["activation_line"] = activations
 
 
 FIT_NOTE = """\
@@ -949,7 +874,6 @@ shard, as train.py does: the init peak is what the rank keeps plus about one blo
 
 
 def fit_text(rows, seconds):
-    import zero
     r0, c = rows[0], fit_config(rows[0]["family"], 1)
     setting = (f"gpt.py '{r0['family']}' (n_embd {c.n_embd}, {c.n_head} heads, vocab {c.vocab_size}), n_layer grown; "
                f"Nd = {r0['nd']} gloo ranks, each capped at\nits address space before the model + "
@@ -965,13 +889,12 @@ def fit_text(rows, seconds):
               f"{r['formula_psi'] / base[r['dtype']]['formula_psi']:.2f}", len(r["tries"])] for r in rows]
     headers = ["dtype", "stage", "n_layer", "Ψ", "fails at", "Section 5 Ψ", "ratio", "+ residual Ψ", "ratio",
                "vs baseline", "Section 5 vs baseline", "tries"]
-    bytes_table = [[r["dtype"], r["name"], r["n_layer"], mb(section5_bytes(r["psi"], r["nd"], r["stage"], r["dtype"])),
+    bytes_table = [[r["dtype"], r["name"], r["n_layer"], mb(sum(dtype_terms(r["psi"], r["nd"], r["stage"], r["dtype"]))),
                     *[mb(r[k]) for k in ("steady", "activations", "largest_temporary", "init_peak", "peak")]]
                    for r in rows]
     bytes_headers = ["dtype", "stage", "n_layer", "Section 5 MB", "held MB", "activations MB", "C_B MB", "init peak MB",
                      "peak MB"]
-    return "\n".join([setting, tabulate(table, headers, disable_numparse=True), "",
-                      tabulate(bytes_table, bytes_headers, disable_numparse=True), FIT_NOTE,
+    return "\n".join([setting, _table(table, headers), "", _table(bytes_table, bytes_headers), FIT_NOTE,
                       f"wall time {seconds:.0f} s ({sum(len(r['tries']) for r in rows)} tries)"])
 
 

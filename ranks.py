@@ -1,7 +1,7 @@
 """
 ranks.py -- ranks on this machine (gloo; NCCL, one GPU each, where asked), for the tools that measure zero.py: conftest.py keeps a
 pool of them for the tests, memory_table.py runs its measured sections on them, bench.py runs
-each system in a process group of its own (bench.Nodes: one rank per emulated node).
+each system in a process group of its own (on emulated nodes: bench.Nodes.placement).
 
     run_on_ranks(2, fn, *args)   # fn(*args) on 2 spawned gloo ranks: [rank 0's result, rank 1's]
 
@@ -58,9 +58,17 @@ def rank_main(rank, nd, port, fn, args, results, master=LOOPBACK, setup=None, en
             dist.destroy_process_group()
 
 
-def collect(procs, results, timeout=None):
-    """Start the rank processes procs and return what each put on `results`, in rank order; a
-    rank's failure kills them all and is raised."""
+def run_on_ranks(nd, fn, *args, timeout=600, backend="gloo", master=LOOPBACK, port=None, setups=None, envs=None):
+    """fn(*args) on nd new ranks; their results in rank order. A rank's failure kills them all and
+    is raised. timeout: seconds to wait for each result (None: no limit, for bench.py's long-lived
+    ranks). bench.py's emulated nodes (bench.Nodes.placement) give rank 0's address and store port,
+    and per rank a setup to run first and more environment variables."""
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), port or free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, nd, port, fn, args, results, master,
+                                                 None if setups is None else setups[r],
+                                                 None if envs is None else envs[r], backend))
+             for r in range(nd)]
     for p in procs:
         p.start()
     out = {}
@@ -69,18 +77,8 @@ def collect(procs, results, timeout=None):
         if not ok:  # the other ranks may wait forever in a collective this one left
             for p in procs:
                 p.kill()
-            raise RuntimeError(f"rank {rank} of {len(procs)} failed:\n{value}")
+            raise RuntimeError(f"rank {rank} of {nd} failed:\n{value}")
         out[rank] = value
     for p in procs:
         p.join()
-    return [out[r] for r in range(len(procs))]
-
-
-def run_on_ranks(nd, fn, *args, timeout=600, backend="gloo"):
-    """fn(*args) on nd new ranks on the loopback; their results in rank order. timeout:
-    seconds to wait for each result (None: no limit, for bench.py's long-lived ranks)."""
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, nd, port, fn, args, results),
-                         kwargs=dict(backend=backend)) for r in range(nd)]
-    return collect(procs, results, timeout)
+    return [out[r] for r in range(nd)]
