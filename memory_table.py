@@ -347,6 +347,9 @@ def measure_on_rank(stage, dtype_name, preset, batch_size=4, seq_len=64):
             snapshot = {s: _bytes(st).clone() for s, st in zero.live_storages(device.type).items() if s not in before}
         optimizer.backward(loss)
         del loss
+        # a finished collective's buffers live on until gloo's worker thread lets go of them (under
+        # load, past backward's end); the barrier waits for every earlier collective on every rank
+        dist.barrier()
         if step == 1 and device.type == "cuda":  # beyond what was there, the input and the snapshot
             extra = idx.untyped_storage().nbytes() + sum(c.untyped_storage().nbytes() for c in snapshot.values())
             allocated = torch.cuda.memory_allocated(device) - allocated - extra
