@@ -354,7 +354,9 @@ class GPT(nn.Module):
         self.lm_head = ColumnParallelLinear(C, config.vocab_size, tp_group, bias=False, device=device)
         self.lm_head.weight = self.wte.weight                                             # (V/tp, C)
         self.seed = seed
-        self.names = {p: name for name, p in self.named_parameters()}  # a tied weight: its first name
+        # a parameter's name (a tied weight: its first) by id: holding the parameters themselves
+        # would keep them alive after a wrapper such as FSDP2's fully_shard replaces them
+        self.names = {id(p): name for name, p in self.named_parameters()}
         for module in self.modules():
             self.init_weights(module)
 
@@ -367,7 +369,7 @@ class GPT(nn.Module):
         init_fn). Meta parameters are left alone."""
         proj_std = 0.02 / math.sqrt(2 * self.config.n_layer)  # GPT-2: residual projections scaled down
         for param in module.parameters(recurse=False):
-            name = self.names[param]
+            name = self.names[id(param)]
             if param.is_meta:  # built on meta: zero.initialize(..., init_fn=model.init_weights) fills it
                 continue
             if isinstance(module, nn.LayerNorm) or name.endswith(".bias"):  # torch's LayerNorm init: 1 and 0
