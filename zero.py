@@ -341,7 +341,7 @@ class MetaInit:
 @dataclass
 class Piece:
     index: int  # the parameter's index in the partition
-    flat: slice  # where it lies in the flat space
+    flat: slice  # where it lies in the flat space (None: it does not lie in one stretch there)
     own: slice  # where it lies in this rank's own space
 
 
@@ -355,12 +355,23 @@ class ZeroOptimizer:
         self.owned, self.precision = owned, precision  # owned: per bucket, (flat slice, own slice)
         self.own_numel = sum(o.stop - o.start for f, o in owned)
         self.n_trainable = sum(p.requires_grad for p in partition.params)
-        self.pieces = []  # a parameter split over buckets is a piece per bucket: the update is elementwise
+        # A parameter's pieces in consecutive buckets lie end to end in the own space: where the
+        # optimizer's tensors are own-space ones (a master copy, stage 3's shard) they are one piece,
+        # so the optimizer holds a tensor per parameter, not one per bucket (240,000 a rank at 1T).
+        merge = precision.master_dtype is not None or parameters.in_own_space
+        self.pieces = []
         for (f, o), b in zip(owned, partition.buckets):
             for i, lo, hi in b.segments if b.trainable else ():
                 lo, hi = max(lo, f.start), min(hi, f.stop)
-                if lo < hi:
-                    self.pieces.append(Piece(i, slice(lo, hi), slice(o.start + lo - f.start, o.start + hi - f.start)))
+                own = slice(o.start + lo - f.start, o.start + hi - f.start)
+                last = self.pieces[-1] if self.pieces else None
+                if lo >= hi:
+                    continue
+                if last and last.index == i and last.own.stop == own.start and (merge or last.flat.stop == lo):
+                    flat = slice(last.flat.start, hi) if last.flat and last.flat.stop == lo else None
+                    self.pieces[-1] = Piece(i, flat, slice(last.own.start, own.stop))
+                else:
+                    self.pieces.append(Piece(i, slice(lo, hi), own))
         # start(k): bucket k's starting values (rank 0's, or initialised here from the meta
         # device). The parameters take them bucket by bucket, the fp32 master its owned ranges
         # (from the full-precision values, before any cast).
@@ -776,6 +787,8 @@ class FlatParameters:
     def view(self, piece):
         return self.flat[piece.flat]
 
+    in_own_space = False  # view(piece) indexes the flat space
+
     def copy_owned(self, owned, source):
         """The owned ranges of the parameters from `source`, an own-space tensor."""
         if source.numel() == self.flat.numel():  # stage 0: the own space is the flat space
@@ -891,6 +904,8 @@ class ShardedParameters:
 
     def view(self, piece):
         return self.shard[piece.own]
+
+    in_own_space = True  # view(piece) indexes the shard
 
     def copy_owned(self, owned, source):
         self.shard.copy_(source)
