@@ -198,6 +198,10 @@ def on_rank_bf16_model_state_bytes(stage):
             opt.step()
             opt.zero_grad()
     del loss
+    # A finished reduction's buffers live on until gloo's worker thread lets go of them, which under
+    # load can be after backward returns (seen: one 20 KB bucket counted); the barrier waits for
+    # every earlier collective on every rank.
+    dist.barrier()
     inputs = {x.untyped_storage()._cdata, y.untyped_storage()._cdata}
     measured = sum(s.nbytes() for ptr, s in zero.live_storages().items() if ptr not in before and ptr not in inputs)
     return measured, sum(p.numel() for p in mlp.parameters()), len(list(mlp.parameters()))

@@ -285,6 +285,10 @@ def on_rank_model_state_bytes(stage):
             opt.step()
             opt.zero_grad()
     del loss
+    # A finished reduction's buffers live on until gloo's worker thread lets go of them, which under
+    # load can be after backward returns (seen: one 20 KB bucket counted); the barrier waits for
+    # every earlier collective on every rank.
+    dist.barrier()
     inputs = {x.untyped_storage()._cdata, y.untyped_storage()._cdata}
     new = [s.nbytes() for key, s in zero.live_storages().items() if key not in before and key not in inputs]
     psi = sum(p.numel() for p in mlp.parameters())
