@@ -509,7 +509,7 @@ def measure_section(args):
             "and, in bf16, its fp32 master copy; parameters = the rest (nn.Parameters, or stage 3's shard).\n"
             "formula: Section 5 with fp32 parameters and gradients (4 + 4 bytes, K = 8: momentum and variance) or\n"
             "bf16 (2 + 2 bytes, K = 12: fp32 master, momentum, variance). Ratios above 1 are padding (the flat\n"
-            "space is padded to a multiple of 8 x Nd) and AdamW's 4-byte step counter per parameter piece.\n"
+            f"space is padded to a multiple of {zero.ALIGN} x Nd) and AdamW's 4-byte step counter per parameter piece.\n"
             "activations: live bytes at the end of forward minus its start (what forward keeps for backward).")
     sections = {"measure": dict(heading="Measured on real ranks: per-rank model states against the formula (Section 5)",
                                 rows=rows, text=text)}
@@ -572,7 +572,7 @@ def comm_section(args):
             "as Section 7): all_gather and broadcast (n-1)/n of the tensor per rank, all_reduce 2(n-1)/n,\n"
             "all_to_all the elements sent to other ranks. expected (✓ = equal as exact fractions): (n-1)/n x 2Ψ\n"
             "for stages 0-2 (reduce-scatter + all-gather), (n-1)/n x 3Ψ for stage 3 (Section 7.2), each Ψ padded\n"
-            "to a multiple of 8 x Nd (stage 3: each unit it gathers);\n"
+            f"to a multiple of {zero.ALIGN} x Nd (stage 3: each unit it gathers);\n"
             "paper: 2Ψ and 3Ψ at the same (n-1)/n. control: the int32 used-parameter flags (all_reduce), not data.")
     return {"comm": dict(heading="Communication volume per step (Section 7)", rows=rows, text=text)}
 

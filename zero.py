@@ -1357,12 +1357,10 @@ def _write(directory, files, name):
 
 def _layout(opt, model):
     """The manifest's description of the model, the partition and the optimizer."""
-    part, names, aliases = opt.partition, {}, collections.defaultdict(list)
+    part, names, aliases = opt.partition, opt.names, collections.defaultdict(list)
     for name, p in model.named_parameters(remove_duplicate=False):
-        if p in names:  # a tied weight's other names
+        if name != names[p]:  # a tied weight's other names
             aliases[p].append(name)
-        else:
-            names[p] = name
     return dict(
         psi=sum(p.numel() for p in part.params),
         params=[dict(name=names[p], shape=list(p.shape), offset=part.offsets[i], aliases=aliases[p])
@@ -1374,6 +1372,7 @@ def _layout(opt, model):
         param_groups=[{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in members]}
                       for g, members in zip(opt.optim.param_groups, opt.group_members)],
         loss_scale=opt.loss_scale, clean_steps=opt.clean_steps)
+
 
 def _mismatch(opt, model, manifest):
     """Why this model and optimizer cannot take the checkpoint (empty: they can)."""
@@ -1392,6 +1391,7 @@ def _mismatch(opt, model, manifest):
     if len(manifest["param_groups"]) != len(opt.optim.param_groups):
         problems.append(f"{len(manifest['param_groups'])} param_groups saved, {len(opt.optim.param_groups)} here")
     return problems
+
 
 def _read_own(opt, reader, key):
     """This rank's own space of `key` ("weights" or an optimizer state) from a checkpoint."""
@@ -1463,10 +1463,11 @@ def consolidate(path, out=None):
         if why:
             raise CheckpointError(f"cannot consolidate {path}: {name}: {why}")
     reader = CheckpointReader(path, manifest)
-    model, shapes = {}, {p["name"]: p for p in manifest["params"]}
+    model = {}
     for p in manifest["params"]:
-        for name in [p["name"]] + p["aliases"]:
-            model[name] = model.get(p["name"]) if name != p["name"] else reader.param(p["name"], "weights")
+        weights = reader.param(p["name"], "weights")
+        for name in [p["name"]] + p["aliases"]:  # a tied weight under each of its names
+            model[name] = weights
     model.update(reader.rest(0)["buffers"])
     scalars, state, groups, index = reader.scalars(), {}, [], 0
     for saved in manifest["param_groups"]:
