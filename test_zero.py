@@ -37,9 +37,10 @@ def batch(step):
 _reference_cache = {}
 
 
-def ddp_reference(opt_name, symmetric):
-    """Loss, state dict and optimizer state after each step of torch DDP (cached per rank)."""
-    key = (dist.get_world_size(), opt_name, symmetric)
+def ddp_reference(opt_name, symmetric, max_norm=None):
+    """Loss, state dict, optimizer state and clipped norm after each step of torch DDP (cached
+    per rank); max_norm: torch.nn.utils.clip_grad_norm_ before each step."""
+    key = (dist.get_world_size(), opt_name, symmetric, max_norm)
     if key in _reference_cache:
         return _reference_cache[key]
     model = make_model()
@@ -54,28 +55,33 @@ def ddp_reference(opt_name, symmetric):
         x, y = batch(step)
         loss = F.cross_entropy(ddp(x, *usage(step, dist.get_rank(), symmetric)).view(-1, VOCAB), y.view(-1))
         loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) if max_norm else None
         opt.step()
         opt.zero_grad()
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         dist.broadcast(state["seen"], src=0)  # buffers as the next forward sees them: rank 0's
         optim = {names[p]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
-        trajectory.append((loss.detach(), state, optim))
+        trajectory.append((loss.detach(), state, optim, norm))
     _reference_cache[key] = trajectory
     return trajectory
 
 
-def on_rank_match_ddp(stage, opt_name, bucket_numel, reduction="exact"):
+def on_rank_match_ddp(stage, opt_name, bucket_numel, reduction="exact", max_norm=None):
     symmetric = stage == 3
-    reference = ddp_reference(opt_name, symmetric)
+    reference = ddp_reference(opt_name, symmetric, max_norm)
     model = make_model()
     cls, kw = OPTIMIZERS[opt_name]
     model, opt = zero.initialize(model, cls, stage=stage, param_groups=param_groups(model),
                                  bucket_numel=bucket_numel, reduction=reduction, **kw)
     mismatches = []
-    for step, (ref_loss, ref_state, ref_optim) in enumerate(reference):
+    for step, (ref_loss, ref_state, ref_optim, ref_norm) in enumerate(reference):
         x, y = batch(step)
         loss = F.cross_entropy(model(x, *usage(step, dist.get_rank(), symmetric)).view(-1, VOCAB), y.view(-1))
         loss.backward()
+        if max_norm:
+            mismatches += compare(f"step {step} clip norm", opt.clip_grad_norm_(max_norm), ref_norm)
+            if not ref_norm > max_norm:
+                mismatches.append(f"step {step}: norm {ref_norm} does not exceed {max_norm}: clipping idle")
         opt.step()
         opt.zero_grad()
         mismatches += compare(f"step {step} loss", loss.detach(), ref_loss)
@@ -101,8 +107,10 @@ def test_stage_matches_ddp_bitwise(world, stage, opt_name, nd):
 @pytest.mark.parametrize("bucket_numel", [1, 10, 100_000])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bucket_size_does_not_change_bits(world, stage, bucket_numel):
-    """From one element per bucket to one bucket larger than the model: same bits as DDP."""
-    assert world(3).run(on_rank_match_ddp, stage, "adamw", bucket_numel) == [[]] * 3
+    """From one element per bucket to one bucket larger than the model: same bits as DDP, with
+    clipping on every step (torch.nn.utils.clip_grad_norm_'s norm and scaling): gradients split
+    over ranks in every way, brought whole to their norm ranks in rounds of at most a bucket."""
+    assert world(3).run(on_rank_match_ddp, stage, "adamw", bucket_numel, "exact", 0.05) == [[]] * 3
 
 
 # -----------------------------------------------------------------------------------------

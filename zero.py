@@ -444,60 +444,84 @@ class ZeroOptimizer:
                 a = self.partition.offsets[i]
                 norms[i] = torch.linalg.vector_norm(grads[a:a + self.partition.params[i].numel()], norm_type)
         else:
-            wholes = {}  # parameter index -> its whole gradient, filled round by round
-            for rnd in self._norm_plan():
-                self._norms_of_round(rnd, grads, norms, wholes, norm_type)
-            dist.all_reduce(norms, group=self.partition.group)  # (n_trainable,): each found on one rank, zeros elsewhere
+            wholes = {}  # parameter index -> [its whole gradient, elements filled], round by round
+            for sends, receives, moves in self._norm_plan():
+                self._norms_of_round(sends, receives, moves, grads, norms, wholes, norm_type)
+            dist.all_reduce(norms, group=self.partition.group)  # (n_trainable,): each found on one rank
         total = torch.linalg.vector_norm(torch.stack([norms[i] for i in range(self.n_trainable) if used[i]]), norm_type)
         grads.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
     def _norm_plan(self):
-        """Rounds of (parameter index, its norm rank, (bucket, owner, flat start, flat end)), at
-        most a bucket's elements each. Made on the first clip (a simulation never clips)."""
-        if self.norm_plan is None:
-            part, load, rounds, rnd, size = self.partition, [0] * self.partition.nd, [], [], 0
-            for i in range(self.n_trainable):
-                segments = [(k, j, max(lo, c.start), min(hi, c.stop)) for k, lo, hi in part.segments_of[i]
-                            for j, c in ((j, part.chunk(k, j)) for j in range(part.nd)) if max(lo, c.start) < min(hi, c.stop)]
-                owners = {j for k, j, lo, hi in segments}
-                rank = owners.pop() if len(owners) == 1 else min(range(part.nd), key=lambda j: (load[j], j))
-                load[rank] += part.params[i].numel()
-                for segment in segments:
-                    if rnd and size + segment[3] - segment[2] > part.buckets[0].chunk * part.nd:
-                        rounds.append(rnd)
-                        rnd, size = [], 0
-                    rnd.append((i, rank, segment))
-                    size += segment[3] - segment[2]
-            self.norm_plan = rounds + [rnd]
+        """Rounds of transfers that bring each gradient whole to its norm rank (the rank holding
+        all of it, else the least loaded). Each norm rank takes its gradients' segments in flat
+        order, at most a full bucket's elements a round, so that in a round every rank receives
+        at most a bucket and sends its share of the others' (no rank takes in the whole model
+        while the rest wait). This rank's part of round t: sends[j], own-space slices for rank j;
+        receives[j], (parameter index, start in the parameter, length) from rank j; and whether
+        anything moves. Made on the first clip; the work is this rank's share at any Nd."""
+        if self.norm_plan is not None:
+            return self.norm_plan
+        part, me = self.partition, self.partition.rank
+
+        def ranks_of(k, lo, hi):  # the ranks whose chunks of bucket k hold flat [lo, hi)
+            b = part.buckets[k]
+            return range((lo - b.start) // b.chunk, (hi - 1 - b.start) // b.chunk + 1)
+
+        norm_rank, load = [], [0] * part.nd
+        for i in range(self.n_trainable):
+            holders = [ranks_of(k, lo, hi) for k, lo, hi in part.segments_of[i]]
+            if holders and all(r == range(holders[0].start, holders[0].start + 1) for r in holders):
+                norm_rank.append(holders[0].start)  # one rank holds all of it
+            else:
+                norm_rank.append(min(range(part.nd), key=lambda j: (load[j], j)))
+            load[norm_rank[i]] += part.params[i].numel()
+        # windows[r]: rank r's segments (bucket, parameter, flat start, end), a full bucket's worth a round
+        full = max(b.chunk for b in part.buckets) * part.nd
+        windows, size = [[] for _ in range(part.nd)], [0] * part.nd
+        for k, b in enumerate(part.buckets):
+            for i, lo, hi in b.segments if b.trainable else ():
+                r = norm_rank[i]
+                if not windows[r] or size[r] + hi - lo > full:
+                    windows[r].append([])
+                    size[r] = 0
+                windows[r][-1].append((k, i, lo, hi))
+                size[r] += hi - lo
+        self.norm_plan = []
+        for t in range(max(len(w) for w in windows)):
+            sends, receives, moves = [[] for _ in range(part.nd)], [[] for _ in range(part.nd)], False
+            for r in range(part.nd):
+                for k, i, lo, hi in windows[r][t] if t < len(windows[r]) else ():
+                    span, mine, own = ranks_of(k, lo, hi), part.chunk(k), part.buckets[k].own
+                    moves = moves or span != range(r, r + 1)
+                    a, z = max(lo, mine.start), min(hi, mine.stop)
+                    if a < z:  # my part of it, to its norm rank
+                        sends[r].append(slice(own + a - mine.start, own + z - mine.start))
+                    for j in span if r == me else ():  # every rank's part of it, to me
+                        a, z = max(lo, part.chunk(k, j).start), min(hi, part.chunk(k, j).stop)
+                        receives[j].append((i, a - part.offsets[i], z - a))
+            self.norm_plan.append((sends, receives, moves))
         return self.norm_plan
 
-    def _norms_of_round(self, rnd, grads, norms, wholes, norm_type):
-        part, me = self.partition, self.partition.rank
-        send, recv_splits = [[] for _ in range(part.nd)], [0] * part.nd
-        for i, rank, (k, owner, lo, hi) in rnd:
-            if owner == me:  # my segment, from my own space
-                at = part.buckets[k].own + lo - part.chunk(k).start
-                send[rank].append(grads[at:at + hi - lo])
-            if rank == me:
-                recv_splits[owner] += hi - lo
-        send_buf = torch.cat([g for gs in send for g in gs]) if any(send) else grads.new_empty(0)
-        if any(owner != rank for i, rank, (k, owner, lo, hi) in rnd):
-            # all-to-all: each segment to its parameter's norm rank -> (Σ recv_splits,) there, by source rank
-            received = grads.new_empty(sum(recv_splits))
-            dist.all_to_all_single(received, send_buf, recv_splits, [sum(g.numel() for g in gs) for gs in send],
+    def _norms_of_round(self, sends, receives, moves, grads, norms, wholes, norm_type):
+        part = self.partition
+        send = torch.cat([grads[s] for slices in sends for s in slices]) if any(sends) else grads.new_empty(0)
+        splits = [sum(n for i, at, n in pieces) for pieces in receives]
+        if moves:
+            # all-to-all: each gradient's pieces to its norm rank -> (Σ splits,) here, by source rank
+            received = grads.new_empty(sum(splits))
+            dist.all_to_all_single(received, send, splits, [sum(s.stop - s.start for s in slices) for slices in sends],
                                    group=part.group)
-        else:  # every segment is on its norm rank already
-            received = send_buf
-        starts = [sum(recv_splits[:j]) for j in range(part.nd)]  # where rank j's segments begin
-        for i, rank, (k, owner, lo, hi) in rnd:
-            if rank == me:
-                a, numel = part.offsets[i], part.params[i].numel()
-                whole = wholes.setdefault(i, grads.new_empty(numel))
-                whole[lo - a:hi - a] = received[starts[owner]:starts[owner] + hi - lo]
-                starts[owner] += hi - lo
-                if hi == a + numel:  # its last segment
-                    norms[i] = torch.linalg.vector_norm(wholes.pop(i), norm_type)
+        else:  # every piece is on its norm rank already
+            received = send
+        x = 0
+        for pieces in receives:
+            for i, at, n in pieces:
+                whole = wholes.setdefault(i, [grads.new_empty(part.params[i].numel()), 0])
+                whole[0][at:at + n] = received[x:x + n]
+                whole[1], x = whole[1] + n, x + n
+                if whole[1] == whole[0].numel():  # all of it is here
+                    norms[i] = torch.linalg.vector_norm(wholes.pop(i)[0], norm_type)
 
     def step(self):
         """Update this rank's part and make the parameters whole again. Returns False when fp16
