@@ -6,14 +6,13 @@ docs/memory.md has the output and the method.
     python memory_table.py                      # every section but --fit
     python memory_table.py --formula --json     # Tables 1 and 2 by formula, as rows
     python memory_table.py --simulate --sizes 1t   # zero.py itself at 7.5B / Nd 64, 128B / 256, 1T / 1024
-    python memory_table.py --measure --comm --world 2 4   # real gloo ranks: bytes and traffic
+    python memory_table.py --measure --world 2 4   # real gloo ranks: model-state bytes
     python memory_table.py --fit                # the largest model per stage under a 200 MB cap (minutes)
 
 GB means 10^9 bytes throughout, as in the paper.
 """
 import argparse
 import collections
-import contextlib
 import ctypes
 import dataclasses
 import gc
@@ -37,7 +36,7 @@ from tabulate import tabulate
 
 import train
 import zero
-from gpt import GPT, PRESETS, make_mesh, num_params
+from gpt import GPT, PRESETS, num_params
 from ranks import run_on_ranks
 
 STAGES = ["baseline", "P_os", "P_os+g", "P_os+g+p"]   # stage 0 (plain DP), 1, 2, 3
@@ -319,15 +318,10 @@ def split_model_states(new, before_backward, dtype):
     return sum(st.nbytes() for st in new.values()) - g_bytes - o_bytes, g_bytes, o_bytes
 
 
-def _config(preset):
-    """A gpt.py preset by name, or a GPTConfig as it is."""
-    return PRESETS[preset] if isinstance(preset, str) else preset
-
-
 def measure_on_rank(stage, dtype_name, preset, batch_size=4, seq_len=64):
     """One configuration on this rank: (Ψ, model-state split, activation bytes, the CUDA
     allocator's bytes after backward beyond those before the model (None on the CPU))."""
-    dtype, config = getattr(torch, DTYPES[dtype_name][0]), _config(preset)
+    dtype, config = getattr(torch, DTYPES[dtype_name][0]), PRESETS[preset]
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     before = zero.live_storages(device.type)   # held: no new storage can take one of their ids
     allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -367,6 +361,47 @@ def measure_on_rank(stage, dtype_name, preset, batch_size=4, seq_len=64):
 def each_on_rank(fn, configs):
     """fn(*config) for every config, on this rank."""
     return [fn(*c) for c in configs]
+
+
+def measure_section(args):
+    """Model states on real ranks, split and set beside the formula."""
+    backend = "nccl" if torch.cuda.device_count() >= max(args.world) else "gloo"  # a GPU per rank, or the CPU
+    rows, worst = [], []   # worst: per configuration, the rank holding the most (the per-device figure)
+    for nd in args.world:
+        configs = [(stage, dt, args.model) for dt in DTYPES for stage in (0, 1, 2, 3)]
+        per_rank = run_on_ranks(nd, each_on_rank, measure_on_rank, configs, backend=backend)
+        for k, (stage, dt, _) in enumerate(configs):
+            psi = per_rank[0][k][0]
+            formula = dtype_terms(psi, nd, stage, dt)
+            for rank, results in enumerate(per_rank):
+                split, activations, allocator = results[k][1:]
+                rows.append(dict(nd=nd, rank=rank, stage=stage, name=STAGES[stage], dtype=dt, psi=psi, allocator=allocator,
+                                 params=split[0], grads=split[1], optim=split[2], total=sum(split),
+                                 formula_params=formula[0], formula_grads=formula[1], formula_optim=formula[2],
+                                 formula=sum(formula), ratio=sum(split) / sum(formula), activations=activations))
+            worst.append(max(rows[-nd:], key=lambda r: r["total"]))
+    table = [[r["dtype"], r["nd"], r["name"]] +
+             [f"{r[k] / 1e6:.3f} / {r['formula_' + k] / 1e6:.3f}" for k in ("params", "grads", "optim")] +
+             [f"{r['total'] / 1e6:.3f}", f"{r['formula'] / 1e6:.3f}", f"{r['ratio']:.4f}", f"{r['activations'] / 1e6:.2f}"]
+             for r in worst]
+    headers = ["dtype", "Nd", "stage", "params MB: measured / formula", "grads MB", "optimizer MB",
+               "model states MB", "formula MB", "ratio", "activations MB"]
+    if backend == "nccl":  # the CUDA allocator's own figure beside the live tensors'
+        headers.append("CUDA allocator MB")
+        for line, r in zip(table, worst):
+            line.append(f"{r['allocator'] / 1e6:.3f}")
+    where = "NCCL ranks, one GPU each" if backend == "nccl" else "gloo ranks on the CPU"
+    text = (f"gpt.py '{args.model}' (Ψ = {num_params(PRESETS[args.model]):,}), AdamW, zero.py on Nd {where}, "
+            "after the second backward.\n" + _table(table, headers) +
+            "\nmeasured (the rank holding the most; --json has every rank): storages alive in the rank, sorted:\n"
+            "gradients = what the backward wrote or created; optimizer states = a torch.optim.Optimizer's state\n"
+            "and, in bf16, its fp32 master copy; parameters = the rest (nn.Parameters, or stage 3's shard).\n"
+            "formula: Section 5 with fp32 parameters and gradients (4 + 4 bytes, K = 8: momentum and variance) or\n"
+            "bf16 (2 + 2 bytes, K = 12: fp32 master, momentum, variance). Ratios above 1 are padding (the flat\n"
+            f"space is padded to a multiple of {zero.ALIGN} x Nd) and AdamW's 4-byte step counter per parameter piece.\n"
+            "activations: live bytes at the end of forward minus its start (what forward keeps for backward).")
+    return {"measure": dict(heading="Measured on real ranks: per-rank model states against the formula (Section 5)",
+                            rows=rows, text=text)}
 
 
 # ---------------------------------------------------------------------------
@@ -430,153 +465,6 @@ class CommCounter:
             setattr(dist, name, original)
 
 
-def comm_on_rank(stage, preset, batch_size=2, seq_len=32):
-    """{(phase, collective): elements this rank sent} in its second training step (the first warms up)."""
-    config = _config(preset)
-    module = GPT(config, seed=0)
-    model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=stage, lr=1e-3, stage3_units=module.h)
-    idx = _batch(config, batch_size, seq_len, dist.get_rank())
-    counter = CommCounter()
-    for step in range(2):   # the first step is a warm-up (stage 3 learns the units' order)
-        with counter if step == 1 else contextlib.nullcontext():
-            counter.phase = "forward"
-            loss = model(idx[:, :-1], idx[:, 1:])[1]
-            counter.phase = "backward"
-            loss.backward()
-            counter.phase = "step"
-            optimizer.step()
-        optimizer.zero_grad()
-    return dict(counter.sent)
-
-
-# ---------------------------------------------------------------------------
-# Section 6.1 -- activation memory with and without checkpointing and P_a, on 2 ranks as one
-# tensor-parallel group: what forward keeps for backward, per rank (zero.MemoryHooks).
-# ---------------------------------------------------------------------------
-
-CHECKPOINTING = ["none", "full", "P_a", "P_a+cpu"]
-
-
-def activations_on_rank(checkpoint, preset, batch_size=8, seq_len=128):
-    """What forward keeps for backward on this rank of 2, one tensor-parallel group (Megatron)."""
-    dp_group, tp_group = make_mesh(1, 2)
-    module = GPT(PRESETS[preset], tp_group=tp_group, seed=0)
-    model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=1, group=dp_group, lr=1e-3)
-    if checkpoint != "none":
-        zero.checkpoint_activations(model.h, tp_group=tp_group, partition=checkpoint.startswith("P_a"),
-                                    cpu=checkpoint == "P_a+cpu")
-    memory = zero.MemoryHooks(model, every_module=False)
-    idx = _batch(PRESETS[preset], batch_size, seq_len, dist.get_rank(dp_group))
-    memory.recording = True
-    loss = model(idx[:, :-1], idx[:, 1:])[1]
-    memory.recording = False
-    loss.backward()
-    return memory.kept_by_forward()
-
-
-def measure_section(args):
-    """Model states on real ranks, split and set beside the formula; activations with P_a."""
-    backend = "nccl" if torch.cuda.device_count() >= max(args.world) else "gloo"  # a GPU per rank, or the CPU
-    rows, worst = [], []   # worst: per configuration, the rank holding the most (the per-device figure)
-    for nd in args.world:
-        configs = [(stage, dt, args.model) for dt in DTYPES for stage in (0, 1, 2, 3)]
-        per_rank = run_on_ranks(nd, each_on_rank, measure_on_rank, configs, backend=backend)
-        for k, (stage, dt, _) in enumerate(configs):
-            psi = per_rank[0][k][0]
-            formula = dtype_terms(psi, nd, stage, dt)
-            for rank, results in enumerate(per_rank):
-                split, activations, allocator = results[k][1:]
-                rows.append(dict(nd=nd, rank=rank, stage=stage, name=STAGES[stage], dtype=dt, psi=psi, allocator=allocator,
-                                 params=split[0], grads=split[1], optim=split[2], total=sum(split),
-                                 formula_params=formula[0], formula_grads=formula[1], formula_optim=formula[2],
-                                 formula=sum(formula), ratio=sum(split) / sum(formula), activations=activations))
-            worst.append(max(rows[-nd:], key=lambda r: r["total"]))
-    table = [[r["dtype"], r["nd"], r["name"]] +
-             [f"{r[k] / 1e6:.3f} / {r['formula_' + k] / 1e6:.3f}" for k in ("params", "grads", "optim")] +
-             [f"{r['total'] / 1e6:.3f}", f"{r['formula'] / 1e6:.3f}", f"{r['ratio']:.4f}", f"{r['activations'] / 1e6:.2f}"]
-             for r in worst]
-    headers = ["dtype", "Nd", "stage", "params MB: measured / formula", "grads MB", "optimizer MB",
-               "model states MB", "formula MB", "ratio", "activations MB"]
-    if backend == "nccl":  # the CUDA allocator's own figure beside the live tensors'
-        headers.append("CUDA allocator MB")
-        for line, r in zip(table, worst):
-            line.append(f"{r['allocator'] / 1e6:.3f}")
-    where = "NCCL ranks, one GPU each" if backend == "nccl" else "gloo ranks on the CPU"
-    text = (f"gpt.py '{args.model}' (Ψ = {num_params(PRESETS[args.model]):,}), AdamW, zero.py on Nd {where}, "
-            "after the second backward.\n" + _table(table, headers) +
-            "\nmeasured (the rank holding the most; --json has every rank): storages alive in the rank, sorted:\n"
-            "gradients = what the backward wrote or created; optimizer states = a torch.optim.Optimizer's state\n"
-            "and, in bf16, its fp32 master copy; parameters = the rest (nn.Parameters, or stage 3's shard).\n"
-            "formula: Section 5 with fp32 parameters and gradients (4 + 4 bytes, K = 8: momentum and variance) or\n"
-            "bf16 (2 + 2 bytes, K = 12: fp32 master, momentum, variance). Ratios above 1 are padding (the flat\n"
-            f"space is padded to a multiple of {zero.ALIGN} x Nd) and AdamW's 4-byte step counter per parameter piece.\n"
-            "activations: live bytes at the end of forward minus its start (what forward keeps for backward).")
-    sections = {"measure": dict(heading="Measured on real ranks: per-rank model states against the formula (Section 5)",
-                                rows=rows, text=text)}
-    if max(args.world) >= 2:   # Section 6.1: tensor parallel over 2 ranks
-        acts = run_on_ranks(2, each_on_rank, activations_on_rank, [(c, args.model) for c in CHECKPOINTING])
-        rows = [dict(checkpoint=c, tp=2, rank=rank, activations=acts[rank][k]) for k, c in enumerate(CHECKPOINTING)
-                for rank in range(2)]
-        table = [[r["checkpoint"], r["rank"], f"{r['activations'] / 1e6:.3f}",
-                  f"{r['activations'] / acts[r['rank']][0]:.3f}"] for r in rows]   # acts[rank][0]: no checkpointing
-        text = (_table(table, ["checkpointing", "rank", "activations MB", "vs none"]) +
-                f"\ngpt.py '{args.model}', batch 8 x 128 tokens, tp = 2 (Megatron), on 2 gloo ranks. full: the blocks'\n"
-                "inputs are kept and the blocks recomputed in backward; P_a keeps 1/tp of each input and all-gathers\n"
-                "it before recomputation; P_a+cpu keeps that part in CPU memory (the same memory on a CPU run).")
-        sections["activations"] = dict(heading="Activation memory per rank with checkpointing and P_a (Section 6.1)",
-                                       rows=rows, text=text)
-    return sections
-
-
-def padded_per_unit(preset, nd):
-    """Ψ padded as stage 3 lays it out: each unit it gathers (a block, the tied embedding, the
-    positions, ln_f) a run of buckets padded to a multiple of zero.ALIGN x Nd."""
-    model = GPT(_config(preset), device="meta")
-    units = [[model.wte.weight], [model.wpe.weight], *[list(b.parameters()) for b in model.h],
-             list(model.ln_f.parameters())]
-    return sum(math.ceil(sum(p.numel() for p in u) / (zero.ALIGN * nd)) * zero.ALIGN * nd for u in units)
-
-
-def comm_section(args):
-    """Elements each rank sends per step, as a multiple of Ψ."""
-    psi = num_params(PRESETS[args.model])
-    rows = []
-    for nd in [n for n in args.world if n > 1]:
-        per_rank = run_on_ranks(nd, each_on_rank, comm_on_rank, [(stage, args.model) for stage in (0, 1, 2, 3)])
-        m = zero.ALIGN * nd  # every chunk a multiple of ALIGN elements
-        padded = math.ceil(psi / m) * m  # stages 0-2: one run of buckets, padded to a multiple of ALIGN x Nd
-        padded_units = padded_per_unit(args.model, nd)  # stage 3: each unit padded on its own
-        ring = Fraction(nd - 1, nd)
-        for stage in (0, 1, 2, 3):
-            mean = collections.Counter()
-            for results in per_rank:
-                mean.update({k: v / nd for k, v in results[stage].items()})
-            data = {k: v for k, v in mean.items() if k[1] != "all_reduce"}
-            # Section 7: reduce-scatter Ψ, then all-gather Ψ (stages 0-2: gradients at 0, updated
-            # parameters at 1-2), or gathers of Ψ in forward and backward (3); all up to padding
-            expected = 2 * ring * padded if stage < 3 else 3 * ring * padded_units
-            phases = {p: sum(v for k, v in data.items() if k[0] == p) for p in ("forward", "backward", "step")}
-            rows.append(dict(nd=nd, stage=stage, name=STAGES[stage], psi=psi, **{p: float(v / psi) for p, v in phases.items()},
-                             measured=float(sum(data.values()) / psi), expected=float(expected / psi),
-                             exact=sum(data.values()) == expected, paper=(3 if stage == 3 else 2) * float(ring),
-                             control=float(sum(v for k, v in mean.items() if k[1] == "all_reduce")),
-                             collectives=sorted({k[1] for k in data})))
-    table = [[r["nd"], r["name"], f"{r['forward']:.6f}", f"{r['backward']:.6f}", f"{r['step']:.6f}",
-              f"{r['measured']:.6f}", f"{r['expected']:.6f} {'✓' if r['exact'] else '✗'}", f"{r['paper']:.6f}",
-              f"{r['control']:g}", " ".join(r["collectives"])] for r in rows]
-    headers = ["Nd", "stage", "forward Ψ", "backward Ψ", "step Ψ", "total Ψ", "expected Ψ", "paper (ring)",
-               "control elements", "collectives"]
-    text = (f"gpt.py '{args.model}' (Ψ = {psi:,}), AdamW, one training step after a warm-up, mean over ranks.\n" +
-            _table(table, headers) +
-            "\nelements sent per rank / Ψ, counted by wrapping torch.distributed's collectives. Convention (ring,\n"
-            "as Section 7): all_gather and broadcast (n-1)/n of the tensor per rank, all_reduce 2(n-1)/n,\n"
-            "all_to_all the elements sent to other ranks. expected (✓ = equal as exact fractions): (n-1)/n x 2Ψ\n"
-            "for stages 0-2 (reduce-scatter + all-gather), (n-1)/n x 3Ψ for stage 3 (Section 7.2), each Ψ padded\n"
-            f"to a multiple of {zero.ALIGN} x Nd (stage 3: each unit it gathers);\n"
-            "paper: 2Ψ and 3Ψ at the same (n-1)/n. control: the int32 used-parameter flags (all_reduce), not data.")
-    return {"comm": dict(heading="Communication volume per step (Section 7)", rows=rows, text=text)}
-
-
 # ---------------------------------------------------------------------------
 # Table 2, measured -- the paper's measured columns (1.3B baseline and 6.2B with P_os on 32 GB
 # V100s, against 2B and 7.6B by formula) in miniature: the largest gpt.py model (one preset,
@@ -605,7 +493,7 @@ class FitSetting:
 
 def fit_config(family, n_layer):
     """The shape family: gpt.py preset `family` with n_layer blocks (width, heads, vocab kept)."""
-    return dataclasses.replace(_config(family), n_layer=n_layer)
+    return dataclasses.replace(PRESETS[family], n_layer=n_layer)
 
 
 def _vm(field="VmSize"):
@@ -905,7 +793,6 @@ SECTIONS = {  # flag -> section, in the order they print
     "formula": formula_section,
     "measure": measure_section,
     "simulate": simulate_section,
-    "comm": comm_section,
 }
 
 
@@ -914,8 +801,8 @@ def main(argv=None):
     for name in SECTIONS:
         parser.add_argument(f"--{name}", action="store_true", help=f"print the {name} section")
     parser.add_argument("--json", action="store_true", help="one JSON object of every table's rows")
-    parser.add_argument("--world", type=int, nargs="+", default=[1, 2, 4], help="world sizes --measure and --comm run")
-    parser.add_argument("--model", default="tiny", help="the gpt.py preset --measure and --comm train")
+    parser.add_argument("--world", type=int, nargs="+", default=[1, 2, 4], help="world sizes --measure runs")
+    parser.add_argument("--model", default="tiny", help="the gpt.py preset --measure trains")
     parser.add_argument("--sizes", nargs="+", default=[m[0] for m in SIMULATED], choices=[m[0] for m in SIMULATED],
                         help="models --simulate runs")
     fit = parser.add_argument_group("--fit: the largest model per stage under a real memory cap (on request only)")
