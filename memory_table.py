@@ -221,11 +221,13 @@ def simulate(preset, nd, stage, rank):
                                            lr=1e-4)
         idx = torch.zeros(1, 8, dtype=torch.long, device="meta")
         optimizer.backward(model(idx, idx)[1])  # stage 3 learns the units' order
+        optimizer.clip_grad_norm_(1.0)  # as train.py: the clipping plan is made here
         optimizer.step()  # the optimizer states exist from here on
         optimizer.zero_grad()
         with CommCounter(_zero_storages(optimizer)) as comm:  # one training step
             optimizer.backward(model(idx, idx)[1])
             measured = zero.live_tensor_bytes("meta") - before - idx.numel() * idx.element_size()  # after backward
+            optimizer.clip_grad_norm_(1.0)
             optimizer.step()
         del model, optimizer, module
         return psi, measured, comm
@@ -241,7 +243,8 @@ def simulate_section(args):
             for rank in (0, nd - 1):
                 psi, measured, comm = simulate(preset, nd, stage, rank)
                 comm_rows.append(dict(model=preset, psi=psi, nd=nd, stage=stage, name=STAGES[stage], rank=rank,
-                                      largest_temporary_bytes=comm.largest, bucket_numel=zero.DEFAULT_BUCKET_NUMEL,
+                                      largest_temporary_bytes=comm.largest, largest_temporary_numel=comm.largest_numel,
+                                      bucket_numel=zero.DEFAULT_BUCKET_NUMEL,
                                       sent=float(sum(comm.sent.values())), received=float(sum(comm.received.values()))))
                 if rank == 0:
                     formula = model_state_bytes(psi, nd, stage)
@@ -257,15 +260,18 @@ def simulate_section(args):
             "zero.py's real partitioning (bf16 parameters and gradients, fp32 master + Adam: K = 12); formula:\n"
             "Section 5 for gpt.py's exact Ψ; Table 1's cell is for the paper's round Ψ.")
     table = [[r["model"], r["nd"], r["name"], r["rank"], f"{r['largest_temporary_bytes'] / 2**20:.0f}",
-              f"{r['largest_temporary_bytes'] / 2 / r['bucket_numel']:.2f}", f"{r['sent'] / r['psi']:.4f}",
+              f"{r['largest_temporary_numel'] / r['bucket_numel']:.2f}", f"{r['sent'] / r['psi']:.4f}",
               f"{r['received'] / r['psi']:.4f}"] for r in comm_rows]
     headers = ["model", "Nd", "stage", "rank", "largest temporary MiB", "in buckets", "sent / Ψ", "received / Ψ"]
     comm_text = (_table(table, headers) +
-                 f"\none training step of the same runs, as rank 0 and as rank Nd-1, buckets of {zero.DEFAULT_BUCKET_NUMEL:,}"
-                 " elements\n(the default). largest temporary: the largest tensor handed to a collective that is not\n"
-                 "the parameters' or gradients' own storage, in MiB and in bf16 buckets; sent and received: elements\n"
-                 "per step (all_to_all: what goes to and comes from the other ranks; the others: the ring convention).\n"
-                 "Section 7: 2 x (Nd-1)/Nd Ψ at stages 1-2 and 3 x (Nd-1)/Nd Ψ at stage 3, the same on every rank.")
+                 "\none training step (backward, clip_grad_norm_, step) of the same runs, as rank 0 and as rank\n"
+                 f"Nd-1, buckets of {zero.DEFAULT_BUCKET_NUMEL:,} elements (the default). largest temporary: the\n"
+                 "largest tensor handed to a collective that is not the parameters' or gradients' own storage, in\n"
+                 "MiB and in elements over bucket_numel (clipping moves fp32 gradients, the reductions bf16); sent\n"
+                 "and received: elements per step (all_to_all: what goes to and comes from the other ranks; the\n"
+                 "others: the ring convention).\n"
+                 "Section 7: 2 x (Nd-1)/Nd Ψ at stages 1-2 and 3 x (Nd-1)/Nd Ψ at stage 3, the same on every\n"
+                 "rank; clipping adds about Ψ/Nd: each gradient's pieces brought whole to the rank finding its norm.")
     return {"simulate": dict(heading="Simulated at the paper's scale: zero.py on meta models in a fake world",
                              rows=rows, text=text),
             "simulate_comm": dict(heading="Communication at the paper's scale: the same simulated step, per rank",
@@ -417,8 +423,8 @@ class CommCounter:
     the convention above (Fractions), c.bytes[...] the same in bytes, c.received[...] the elements
     it receives (what it sends, but for all_to_all: what the others send it); c.largest: bytes of
     the largest tensor handed to any collective whose storage is not in `persistent` (storage
-    ids: the temporaries). Wraps dist.<name> for every name in SENT; torch's own nested calls go
-    to distributed_c10d, so none is counted twice."""
+    ids: the temporaries), c.largest_numel: the most elements of one. Wraps dist.<name> for every
+    name in SENT; torch's own nested calls go to distributed_c10d, so none is counted twice."""
     SENT = {  # collective: (its tensor argument, elements sent by rank r of n for a tensor t)
         "all_to_all_single": ("input", lambda a, t, n, r: sum(a["input_split_sizes"]) - a["input_split_sizes"][r]
                               if a["input_split_sizes"] else Fraction(n - 1, n) * t.numel()),
@@ -432,7 +438,8 @@ class CommCounter:
 
     def __init__(self, persistent=()):
         self.phase, self.sent, self.bytes, self.saved = "", collections.Counter(), collections.Counter(), {}
-        self.received, self.largest, self.persistent = collections.Counter(), 0, set(persistent)
+        self.received, self.largest, self.largest_numel = collections.Counter(), 0, 0
+        self.persistent = set(persistent)
 
     def _counted(self, name, fn):
         signature, (arg, elements) = inspect.signature(fn), self.SENT[name]
@@ -451,6 +458,7 @@ class CommCounter:
             for t in a.values():
                 if torch.is_tensor(t) and _storage(t) not in self.persistent:
                     self.largest = max(self.largest, t.numel() * t.element_size())
+                    self.largest_numel = max(self.largest_numel, t.numel())
             return fn(*args, **kwargs)
         return call
 
