@@ -594,12 +594,7 @@ class ZeroOptimizer:
 
     def full_optimizer_state(self):
         """{parameter name: {state key: full tensor}}, as the optimizer would hold it whole."""
-        everyone = [None] * self.partition.nd  # which parameters have state, and its scalars (AdamW's step)
-        dist.all_gather_object(everyone, self._scalar_states(), group=self.partition.group)
-        merged = {}
-        for scalars in everyone:
-            for name, keys in scalars.items():
-                merged.setdefault(name, {}).update(keys)
+        merged = self._all_scalar_states()  # which parameters have state, and its scalars (AdamW's step)
         params = {n: p for n, p in self.module.named_parameters() if n in merged}  # in module order
         result = {name: merged[name] for name in params}
         for key in self._state_keys():  # one gather per elementwise state
@@ -625,10 +620,19 @@ class ZeroOptimizer:
                 own[piece.own] = self.optim.state[w][key]
         return own
 
-    def _scalar_states(self):
-        return {self.names[self.partition.params[piece.index]]: {k: v for k, v in self.optim.state[w].items()
-                                                             if not (torch.is_tensor(v) and v.shape == w.shape)}
-                for piece, w in zip(self.pieces, self.weights) if w in self.optim.state}
+    def _all_scalar_states(self):
+        """{parameter name: its non-elementwise optimizer state (AdamW's step)}, for every parameter
+        with state, on every rank (a collective). Every piece of a parameter steps together, so
+        the rank holding its first element speaks for it: O(parameters) gathered, at any Nd."""
+        part, mine = self.partition, {}
+        for piece, w in zip(self.pieces, self.weights):
+            k, lo, hi = part.segments_of[piece.index][0]
+            if w in self.optim.state and part.chunk(k).start <= lo < part.chunk(k).stop:
+                mine[self.names[part.params[piece.index]]] = {
+                    key: v for key, v in self.optim.state[w].items() if not (torch.is_tensor(v) and v.shape == w.shape)}
+        everyone = [None] * part.nd
+        dist.all_gather_object(everyone, mine, group=part.group)
+        return {name: keys for scalars in everyone for name, keys in scalars.items()}
 
 
 # -----------------------------------------------------------------------------------------
@@ -1316,7 +1320,7 @@ def full_optimizer_state(module):
 # Element x of the flat space lies in bucket k's chunk (x - start_k) // chunk_k, at
 # own_k + (x - start_k) % chunk_k of that rank's shard: so a checkpoint loads at any Nd, stage
 # or bucket size, each rank reading (memory-mapped) only the ranges it now owns.
-FORMAT = 1
+FORMAT = 2
 
 
 class CheckpointError(ValueError):
@@ -1339,7 +1343,7 @@ def save_checkpoint(path, model, optimizer, **extra):
         partial.mkdir(parents=True)
     dist.barrier(group=group)
     opt.parameters.wait()
-    files, keys, error = {}, opt._state_keys(), None
+    files, keys, scalars, error = {}, opt._state_keys(), opt._all_scalar_states(), None
     buckets = range(len(part.buckets))
     try:
         for key in ["weights"] + keys:  # (shard_numel,): bucket k's chunk at own_k; one at a time
@@ -1352,9 +1356,12 @@ def save_checkpoint(path, model, optimizer, **extra):
                 shard = torch.cat([own[part.chunk(k)] for k in buckets])
             files[f"rank{part.rank}.{key}.pt"] = shard
             _write(partial, files, f"rank{part.rank}.{key}.pt")
-        files[f"rank{part.rank}.rest.pt"] = {"scalars": opt._scalar_states(), "rng": torch.get_rng_state(),
-                                             "extra": extra, "buffers": dict(model.named_buffers())}
+        files[f"rank{part.rank}.rest.pt"] = {"rng": torch.get_rng_state(), "extra": extra,
+                                             "buffers": dict(model.named_buffers())}
         _write(partial, files, f"rank{part.rank}.rest.pt")
+        if part.rank == 0:  # every parameter's scalar states (AdamW's step), one file for all
+            files["scalars.pt"] = scalars
+            _write(partial, files, "scalars.pt")
     except Exception as e:  # every rank learns of it: none may wait for a rank that failed
         error = f"rank {part.rank}: {type(e).__name__}: {e}"
     everyone = [None] * part.nd
@@ -1543,11 +1550,7 @@ class CheckpointReader:
         return self._file(f"rank{rank}.rest.pt")
 
     def scalars(self):
-        merged = {}
-        for rank in range(self.manifest["nd"]):
-            for name, keys in self.rest(rank)["scalars"].items():
-                merged.setdefault(name, {}).update(keys)
-        return merged
+        return self._file("scalars.pt")
 
 
 def _read_manifest(path):
