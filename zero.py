@@ -455,11 +455,11 @@ class ZeroOptimizer:
     def _norm_plan(self):
         """Rounds of transfers that bring each gradient whole to its norm rank (the rank holding
         all of it, else the least loaded). Each norm rank takes its gradients' segments in flat
-        order, at most a full bucket's elements a round, so that in a round every rank receives
-        at most a bucket and sends its share of the others' (no rank takes in the whole model
-        while the rest wait). This rank's part of round t: sends[j], own-space slices for rank j;
-        receives[j], (parameter index, start in the parameter, length) from rank j; and whether
-        anything moves. Made on the first clip; the work is this rank's share at any Nd."""
+        order, a full bucket's worth (a window) at a time, every norm rank at once: no rank takes
+        in the whole model while the rest wait. This rank's part of each round: sends[j],
+        own-space slices for rank j; receives[j], (parameter index, start in the parameter,
+        length) from rank j; and whether anything moves. Made on the first clip; the work is this
+        rank's share at any Nd."""
         if self.norm_plan is not None:
             return self.norm_plan
         part, me = self.partition, self.partition.rank
@@ -467,6 +467,9 @@ class ZeroOptimizer:
         def ranks_of(k, lo, hi):  # the ranks whose chunks of bucket k hold flat [lo, hi)
             b = part.buckets[k]
             return range((lo - b.start) // b.chunk, (hi - 1 - b.start) // b.chunk + 1)
+
+        def half(a, z, first):  # the first or the second half of [a, z)
+            return (a, (a + z) // 2) if first else ((a + z) // 2, z)
 
         norm_rank, load = [], [0] * part.nd
         for i in range(self.n_trainable):
@@ -476,31 +479,46 @@ class ZeroOptimizer:
             else:
                 norm_rank.append(min(range(part.nd), key=lambda j: (load[j], j)))
             load[norm_rank[i]] += part.params[i].numel()
-        # windows[r]: rank r's segments (bucket, parameter, flat start, end), a full bucket's worth a round
+        # windows[r]: rank r's segments (bucket, parameter, flat start, end), a full bucket's worth
         full = max(b.chunk for b in part.buckets) * part.nd
-        windows, size = [[] for _ in range(part.nd)], [0] * part.nd
+        windows, room = [[] for _ in range(part.nd)], [0] * part.nd
         for k, b in enumerate(part.buckets):
             for i, lo, hi in b.segments if b.trainable else ():
                 r = norm_rank[i]
-                if not windows[r] or size[r] + hi - lo > full:
-                    windows[r].append([])
-                    size[r] = 0
-                windows[r][-1].append((k, i, lo, hi))
-                size[r] += hi - lo
+                while lo < hi:  # cut where rank r's window is full
+                    if room[r] == 0:
+                        windows[r].append([])
+                        room[r] = full
+                    cut = min(hi, lo + room[r])
+                    windows[r][-1].append((k, i, lo, cut))
+                    room[r], lo = room[r] - (cut - lo), cut
+        # Window t of every norm rank travels in two rounds, the first and the second half of each
+        # sender's piece of it: a rank sends about half a bucket a round and receives at most half
+        # a bucket, whether or not the windows line up with the buckets.
         self.norm_plan = []
         for t in range(max(len(w) for w in windows)):
             sends, receives, moves = [[] for _ in range(part.nd)], [[] for _ in range(part.nd)], False
             for r in range(part.nd):
                 for k, i, lo, hi in windows[r][t] if t < len(windows[r]) else ():
-                    span, mine, own = ranks_of(k, lo, hi), part.chunk(k), part.buckets[k].own
+                    span, mine = ranks_of(k, lo, hi), part.chunk(k)
                     moves = moves or span != range(r, r + 1)
-                    a, z = max(lo, mine.start), min(hi, mine.stop)
-                    if a < z:  # my part of it, to its norm rank
-                        sends[r].append(slice(own + a - mine.start, own + z - mine.start))
-                    for j in span if r == me else ():  # every rank's part of it, to me
-                        a, z = max(lo, part.chunk(k, j).start), min(hi, part.chunk(k, j).stop)
-                        receives[j].append((i, a - part.offsets[i], z - a))
-            self.norm_plan.append((sends, receives, moves))
+                    if max(lo, mine.start) < min(hi, mine.stop):  # my piece of it, to its norm rank
+                        sends[r].append((k, max(lo, mine.start), min(hi, mine.stop)))
+                    for j in span if r == me else ():  # every rank's piece of it, to me
+                        receives[j].append((i, max(lo, part.chunk(k, j).start), min(hi, part.chunk(k, j).stop)))
+            for first in (True, False):
+                half_sends, half_receives = [[] for _ in range(part.nd)], [[] for _ in range(part.nd)]
+                for j in range(part.nd):
+                    for k, a, z in sends[j]:
+                        a, z = half(a, z, first)
+                        if a < z:
+                            at = part.buckets[k].own - part.chunk(k).start  # flat -> own space
+                            half_sends[j].append(slice(at + a, at + z))
+                    for i, a, z in receives[j]:
+                        a, z = half(a, z, first)
+                        if a < z:
+                            half_receives[j].append((i, a - part.offsets[i], z - a))
+                self.norm_plan.append((half_sends, half_receives, moves))
         return self.norm_plan
 
     def _norms_of_round(self, sends, receives, moves, grads, norms, wholes, norm_type):
