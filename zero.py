@@ -468,8 +468,8 @@ class ZeroOptimizer:
             b = part.buckets[k]
             return range((lo - b.start) // b.chunk, (hi - 1 - b.start) // b.chunk + 1)
 
-        def half(a, z, first):  # the first or the second half of [a, z)
-            return (a, (a + z) // 2) if first else ((a + z) // 2, z)
+        def quarter(a, z, q):  # quarter q of [a, z)
+            return a + (z - a) * q // 4, a + (z - a) * (q + 1) // 4
 
         norm_rank, load = [], [0] * part.nd
         for i in range(self.n_trainable):
@@ -492,9 +492,9 @@ class ZeroOptimizer:
                     cut = min(hi, lo + room[r])
                     windows[r][-1].append((k, i, lo, cut))
                     room[r], lo = room[r] - (cut - lo), cut
-        # Window t of every norm rank travels in two rounds, the first and the second half of each
-        # sender's piece of it: a rank sends about half a bucket a round and receives at most half
-        # a bucket, whether or not the windows line up with the buckets.
+        # Window t of every norm rank travels in four rounds, a quarter of each sender's piece of
+        # it in each: a rank sends about a quarter bucket a round and receives at most that,
+        # whether or not the windows line up with the buckets.
         self.norm_plan = []
         for t in range(max(len(w) for w in windows)):
             sends, receives, moves = [[] for _ in range(part.nd)], [[] for _ in range(part.nd)], False
@@ -506,19 +506,19 @@ class ZeroOptimizer:
                         sends[r].append((k, max(lo, mine.start), min(hi, mine.stop)))
                     for j in span if r == me else ():  # every rank's piece of it, to me
                         receives[j].append((i, max(lo, part.chunk(k, j).start), min(hi, part.chunk(k, j).stop)))
-            for first in (True, False):
-                half_sends, half_receives = [[] for _ in range(part.nd)], [[] for _ in range(part.nd)]
+            for q in range(4):
+                round_sends, round_receives = [[] for _ in range(part.nd)], [[] for _ in range(part.nd)]
                 for j in range(part.nd):
                     for k, a, z in sends[j]:
-                        a, z = half(a, z, first)
+                        a, z = quarter(a, z, q)
                         if a < z:
                             at = part.buckets[k].own - part.chunk(k).start  # flat -> own space
-                            half_sends[j].append(slice(at + a, at + z))
+                            round_sends[j].append(slice(at + a, at + z))
                     for i, a, z in receives[j]:
-                        a, z = half(a, z, first)
+                        a, z = quarter(a, z, q)
                         if a < z:
-                            half_receives[j].append((i, a - part.offsets[i], z - a))
-                self.norm_plan.append((half_sends, half_receives, moves))
+                            round_receives[j].append((i, a - part.offsets[i], z - a))
+                self.norm_plan.append((round_sends, round_receives, moves))
         return self.norm_plan
 
     def _norms_of_round(self, sends, receives, moves, grads, norms, wholes, norm_type):
