@@ -213,6 +213,11 @@ class FlatPartition:
         b, r = self.buckets[k], self.rank if rank is None else rank
         return slice(b.start + r * b.chunk, b.start + (r + 1) * b.chunk)
 
+    def holders(self, k, lo, hi):
+        """The ranks whose chunks of bucket k hold flat [lo, hi)."""
+        b = self.buckets[k]
+        return range((lo - b.start) // b.chunk, (hi - 1 - b.start) // b.chunk + 1)
+
     def own(self, k):
         """This rank's chunk of bucket k, in its own space."""
         b = self.buckets[k]
@@ -445,8 +450,8 @@ class ZeroOptimizer:
                 norms[i] = torch.linalg.vector_norm(grads[a:a + self.partition.params[i].numel()], norm_type)
         else:
             wholes = {}  # parameter index -> [its whole gradient, elements filled], round by round
-            for sends, receives, moves in self._norm_plan():
-                self._norms_of_round(sends, receives, moves, grads, norms, wholes, norm_type)
+            for rnd in self._norm_plan():
+                self._norms_of_round(*rnd, grads, norms, wholes, norm_type)
             dist.all_reduce(norms, group=self.partition.group)  # (n_trainable,): each found on one rank
         total = torch.linalg.vector_norm(torch.stack([norms[i] for i in range(self.n_trainable) if used[i]]), norm_type)
         grads.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
@@ -456,24 +461,21 @@ class ZeroOptimizer:
         """Rounds of transfers that bring each gradient whole to its norm rank (the rank holding
         all of it, else the least loaded). Each norm rank takes its gradients' segments in flat
         order, a full bucket's worth (a window) at a time, every norm rank at once: no rank takes
-        in the whole model while the rest wait. This rank's part of each round: sends[j],
-        own-space slices for rank j; receives[j], (parameter index, start in the parameter,
-        length) from rank j; and whether anything moves. Made on the first clip; the work is this
+        in the whole model while the rest wait. This rank's part of each round: the own-space
+        slices it sends, in rank order, and how many elements go to each rank; the pieces it
+        receives, (parameter index, start in the parameter, length) in rank order, and how many
+        come from each rank; and whether anything moves. Made on the first clip; the work is this
         rank's share at any Nd."""
         if self.norm_plan is not None:
             return self.norm_plan
         part, me = self.partition, self.partition.rank
-
-        def ranks_of(k, lo, hi):  # the ranks whose chunks of bucket k hold flat [lo, hi)
-            b = part.buckets[k]
-            return range((lo - b.start) // b.chunk, (hi - 1 - b.start) // b.chunk + 1)
 
         def quarter(a, z, q):  # quarter q of [a, z)
             return a + (z - a) * q // 4, a + (z - a) * (q + 1) // 4
 
         norm_rank, load = [], [0] * part.nd
         for i in range(self.n_trainable):
-            holders = [ranks_of(k, lo, hi) for k, lo, hi in part.segments_of[i]]
+            holders = [part.holders(k, lo, hi) for k, lo, hi in part.segments_of[i]]
             if holders and all(r == range(holders[0].start, holders[0].start + 1) for r in holders):
                 norm_rank.append(holders[0].start)  # one rank holds all of it
             else:
@@ -500,46 +502,45 @@ class ZeroOptimizer:
             sends, receives, moves = [[] for _ in range(part.nd)], [[] for _ in range(part.nd)], False
             for r in range(part.nd):
                 for k, i, lo, hi in windows[r][t] if t < len(windows[r]) else ():
-                    span, mine = ranks_of(k, lo, hi), part.chunk(k)
+                    span, mine = part.holders(k, lo, hi), part.chunk(k)
                     moves = moves or span != range(r, r + 1)
                     if max(lo, mine.start) < min(hi, mine.stop):  # my piece of it, to its norm rank
                         sends[r].append((k, max(lo, mine.start), min(hi, mine.stop)))
                     for j in span if r == me else ():  # every rank's piece of it, to me
                         receives[j].append((i, max(lo, part.chunk(k, j).start), min(hi, part.chunk(k, j).stop)))
-            for q in range(4):
-                round_sends, round_receives = [[] for _ in range(part.nd)], [[] for _ in range(part.nd)]
+            for q in range(4):  # what this rank sends and receives, in rank order, and how much per rank
+                slices, pieces, send_splits, receive_splits = [], [], [0] * part.nd, [0] * part.nd
                 for j in range(part.nd):
                     for k, a, z in sends[j]:
                         a, z = quarter(a, z, q)
                         if a < z:
                             at = part.buckets[k].own - part.chunk(k).start  # flat -> own space
-                            round_sends[j].append(slice(at + a, at + z))
+                            slices.append(slice(at + a, at + z))
+                            send_splits[j] += z - a
                     for i, a, z in receives[j]:
                         a, z = quarter(a, z, q)
                         if a < z:
-                            round_receives[j].append((i, a - part.offsets[i], z - a))
-                self.norm_plan.append((round_sends, round_receives, moves))
+                            pieces.append((i, a - part.offsets[i], z - a))
+                            receive_splits[j] += z - a
+                self.norm_plan.append((slices, send_splits, pieces, receive_splits, moves))
         return self.norm_plan
 
-    def _norms_of_round(self, sends, receives, moves, grads, norms, wholes, norm_type):
+    def _norms_of_round(self, slices, send_splits, pieces, receive_splits, moves, grads, norms, wholes, norm_type):
         part = self.partition
-        send = torch.cat([grads[s] for slices in sends for s in slices]) if any(sends) else grads.new_empty(0)
-        splits = [sum(n for i, at, n in pieces) for pieces in receives]
+        send = torch.cat([grads[s] for s in slices]) if slices else grads.new_empty(0)
         if moves:
-            # all-to-all: each gradient's pieces to its norm rank -> (Σ splits,) here, by source rank
-            received = grads.new_empty(sum(splits))
-            dist.all_to_all_single(received, send, splits, [sum(s.stop - s.start for s in slices) for slices in sends],
-                                   group=part.group)
+            # all-to-all: each gradient's pieces to its norm rank -> (Σ receive_splits,) here, by source rank
+            received = grads.new_empty(sum(receive_splits))
+            dist.all_to_all_single(received, send, receive_splits, send_splits, group=part.group)
         else:  # every piece is on its norm rank already
             received = send
         x = 0
-        for pieces in receives:
-            for i, at, n in pieces:
-                whole = wholes.setdefault(i, [grads.new_empty(part.params[i].numel()), 0])
-                whole[0][at:at + n] = received[x:x + n]
-                whole[1], x = whole[1] + n, x + n
-                if whole[1] == whole[0].numel():  # all of it is here
-                    norms[i] = torch.linalg.vector_norm(wholes.pop(i)[0], norm_type)
+        for i, at, n in pieces:
+            whole = wholes.setdefault(i, [grads.new_empty(part.params[i].numel()), 0])
+            whole[0][at:at + n] = received[x:x + n]
+            whole[1], x = whole[1] + n, x + n
+            if whole[1] == whole[0].numel():  # all of it is here
+                norms[i] = torch.linalg.vector_norm(wholes.pop(i)[0], norm_type)
 
     def step(self):
         """Update this rank's part and make the parameters whole again. Returns False when fp16
@@ -645,7 +646,7 @@ class ZeroOptimizer:
         part, mine = self.partition, {}
         for piece, w in zip(self.pieces, self.weights):
             k, lo, hi = part.segments_of[piece.index][0]
-            if w in self.optim.state and part.chunk(k).start <= lo < part.chunk(k).stop:
+            if w in self.optim.state and part.holders(k, lo, lo + 1).start == part.rank:
                 mine[self.names[part.params[piece.index]]] = {
                     key: v for key, v in self.optim.state[w].items() if not (torch.is_tensor(v) and v.shape == w.shape)}
         everyone = [None] * part.nd
