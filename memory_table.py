@@ -244,7 +244,7 @@ def simulate_section(args):
                 psi, measured, comm = simulate(preset, nd, stage, rank)
                 comm_rows.append(dict(model=preset, psi=psi, nd=nd, stage=stage, name=STAGES[stage], rank=rank,
                                       largest_temporary_bytes=comm.largest, largest_temporary_numel=comm.largest_numel,
-                                      bucket_numel=zero.DEFAULT_BUCKET_NUMEL,
+                                      bucket_numel=zero.default_bucket_numel(nd),
                                       sent=float(sum(comm.sent.values())), received=float(sum(comm.received.values()))))
                 if rank == 0:
                     formula = model_state_bytes(psi, nd, stage)
@@ -265,11 +265,12 @@ def simulate_section(args):
     headers = ["model", "Nd", "stage", "rank", "largest temporary MiB", "in buckets", "sent / Ψ", "received / Ψ"]
     comm_text = (_table(table, headers) +
                  "\none training step (backward, clip_grad_norm_, step) of the same runs, as rank 0 and as rank\n"
-                 f"Nd-1, buckets of {zero.DEFAULT_BUCKET_NUMEL:,} elements (the default). largest temporary: the\n"
-                 "largest tensor handed to a collective that is not the parameters' or gradients' own storage, in\n"
-                 "MiB and in elements over bucket_numel (clipping moves fp32 gradients, the reductions bf16); sent\n"
-                 "and received: elements per step (all_to_all: what goes to and comes from the other ranks; the\n"
-                 "others: the ring convention).\n"
+                 "Nd-1, default buckets (zero.default_bucket_numel: 2^22 elements at Nd 64, 2^24 at 256, 2^26 at\n"
+                 "1024, each rank's chunk 2^16 elements). largest temporary: the largest tensor handed to a\n"
+                 "collective that is not the parameters' or gradients' own storage, in MiB and in elements over\n"
+                 "bucket_numel (clipping moves fp32 gradients, the reductions bf16); sent and received: elements\n"
+                 "per step (all_to_all: what goes to and comes from the other ranks; the others: the ring\n"
+                 "convention).\n"
                  "Section 7: 2 x (Nd-1)/Nd Ψ at stages 1-2 and 3 x (Nd-1)/Nd Ψ at stage 3, the same on every\n"
                  "rank; clipping adds about Ψ/Nd: each gradient's pieces brought whole to the rank finding its norm.")
     return {"simulate": dict(heading="Simulated at the paper's scale: zero.py on meta models in a fake world",
@@ -778,7 +779,7 @@ def fit_text(rows, seconds):
                f"Nd = {r0['nd']} gloo ranks, each capped at\nits address space before the model + "
                f"{r0['budget'] / 1e6:g} MB; {r0['batch_size']} x {r0['seq_len']} tokens per rank, two steps with "
                "train.py's\nAdamW and clipping, buckets of "
-               f"{r0['bucket_numel'] or zero.DEFAULT_BUCKET_NUMEL:,} elements.")
+               f"{r0['bucket_numel'] or zero.default_bucket_numel(r0['nd']):,} elements.")
     base = {r["dtype"]: r for r in rows if r["stage"] == 0}
     mb = lambda x: "-" if x is None else f"{x / 1e6:.1f}"
     table = [[r["dtype"], r["name"], r["n_layer"], f"{r['psi'] / 1e6:.2f}M", f"{r['fails_at']}: {r['fails_in']}",

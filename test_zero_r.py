@@ -198,6 +198,27 @@ def test_no_collective_grows_with_nd_at_world_64(stage, reduction):
         assert {"all_gather_single", "all_to_all_single" if reduction == "exact" else "reduce_scatter_single"} <= used
 
 
+def test_default_bucket_keeps_every_chunk_at_2_16_elements_or_more():
+    """The default C_B is 2^22 elements up to Nd 64 and grows beyond, so that every rank's chunk
+    of a full bucket stays at least 2^16 elements: a constant 2^22 would cut each bucket into
+    pieces of 4,096 elements at Nd 1024, every collective bound by latency. zero.py's own
+    partition of a 134M-parameter model on the meta device, as rank 0 of fake worlds."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    for nd, bucket_numel in ((2, 2**22), (64, 2**22), (256, 2**24), (1024, 2**26)):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=nd)
+        try:
+            with torch.device("meta"):
+                mlp = nn.Sequential(nn.Linear(8192, 8192), nn.Linear(8192, 8192))
+            model, opt = zero.initialize(mlp, torch.optim.AdamW, stage=1, init_fn=lambda m: None, device="meta")
+            chunks = [b.chunk for b in opt.partition.buckets]
+        finally:
+            dist.destroy_process_group()
+        full = chunks.count(bucket_numel // nd)
+        print(f"Nd {nd}: {len(chunks)} buckets, {full} of {bucket_numel // nd} elements a rank, the largest {max(chunks)}")
+        assert zero.default_bucket_numel(nd) == bucket_numel and bucket_numel // nd >= 2**16
+        assert full >= 2 and max(chunks) == bucket_numel // nd, (nd, chunks)
+
+
 # -----------------------------------------------------------------------------------------
 # M_D: the long-lived tensors are views into pre-allocated contiguous buffers
 # -----------------------------------------------------------------------------------------

@@ -44,8 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", default="none", choices=["none", "full", "P_a", "P_a+cpu"],
                    help="activation checkpointing of the transformer blocks (ZeRO-R, Section 6.1)")
     p.add_argument("--contiguous", action="store_true", help="M_D: keep the checkpoints in one pre-allocated buffer")
-    p.add_argument("--bucket_numel", type=int, default=zero.DEFAULT_BUCKET_NUMEL,
-                   help="C_B: elements per communication bucket")
+    p.add_argument("--bucket_numel", type=int, default=None,
+                   help="C_B: elements per communication bucket (default: zero.default_bucket_numel, 2^22 up to 64 ranks)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms(True): the same bits on every run (on GPUs, slower)")
@@ -62,7 +62,7 @@ def parse_args(argv=None):
     if args.resume == "latest" and not args.save_dir:
         p.error("--resume without a checkpoint needs --save_dir DIR to find the latest one in")
     for name in ("steps", "batch_size", "seq_len", "eval_every", "tp", "grad_accum", "bucket_numel"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1 (got {getattr(args, name)})")
     if args.seq_len > PRESETS[args.model].block_size:
         p.error(f"--seq_len {args.seq_len} exceeds the {args.model} model's block_size "

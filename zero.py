@@ -49,9 +49,17 @@ ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, 
                           torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
                           torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
 
-DEFAULT_BUCKET_NUMEL = 2**22  # elements per bucket (16 MB in fp32): C_B, Section 6.2
 ALIGN = 8  # elements: every rank's chunk of a bucket starts on a 16-byte boundary (32 in fp32)
 REDUCTIONS = ("exact", "native")
+
+
+def default_bucket_numel(nd):
+    """C_B, elements per bucket, by default: 2^22 (16 MB in fp32), constant in the model's size
+    (Section 6.2), and grown at large Nd so that each rank's chunk of a bucket stays at least
+    2^16 elements: "large enough to remain efficient", since a collective of many tiny pieces is
+    bound by latency, not bandwidth (Megatron-LM's default bucket grows with Nd the same way).
+    Nd 64: 2^22; Nd 1024: 2^26 (128 MiB in bf16)."""
+    return max(2**22, 2**16 * nd)
 
 
 # -----------------------------------------------------------------------------------------
@@ -362,7 +370,7 @@ class ZeroOptimizer:
         self.n_trainable = sum(p.requires_grad for p in partition.params)
         # A parameter's pieces in consecutive buckets lie end to end in the own space: where the
         # optimizer's tensors are own-space ones (a master copy, stage 3's shard) they are one piece,
-        # so the optimizer holds a tensor per parameter, not one per bucket (240,000 a rank at 1T).
+        # so the optimizer holds a tensor per parameter, not one per bucket (15,000 a rank at 1T).
         merge = precision.master_dtype is not None or parameters.in_own_space
         self.pieces = []
         for (f, o), b in zip(owned, partition.buckets):
@@ -613,10 +621,10 @@ class ZeroOptimizer:
 
     def full_optimizer_state(self):
         """{parameter name: {state key: full tensor}}, as the optimizer would hold it whole."""
-        merged = self._all_scalar_states()  # which parameters have state, and its scalars (AdamW's step)
-        params = {n: p for n, p in self.module.named_parameters() if n in merged}  # in module order
-        result = {name: merged[name] for name in params}
-        for key in self._state_keys():  # one gather per elementwise state
+        keys, scalars = self._all_states()  # which parameters have state, and its scalars (AdamW's step)
+        params = {n: p for n, p in self.module.named_parameters() if n in scalars}  # in module order
+        result = {name: scalars[name] for name in params}
+        for key in keys:  # one gather per elementwise state
             full = self._to_flat(self._own_state(key))
             for name, p in params.items():
                 a = self.partition.offsets[self.partition.index[p]]
@@ -624,13 +632,22 @@ class ZeroOptimizer:
         return result
 
     # For checkpoints: this rank's shard, read and written through its own space.
-    def _state_keys(self):
-        """The elementwise optimizer states, on any rank (a rank may hold no piece)."""
-        keys = {key for w in self.weights for key, v in self.optim.state.get(w, {}).items()
-                if torch.is_tensor(v) and v.shape == w.shape}
-        everyone = [None] * self.partition.nd
-        dist.all_gather_object(everyone, keys, group=self.partition.group)
-        return sorted(set().union(*everyone))
+    def _all_states(self):
+        """(the elementwise optimizer states' keys, {parameter name: its other states, e.g.
+        AdamW's step}) for every parameter with state, the same on every rank: one object gather
+        (a collective; a rank may hold no piece). Every piece of a parameter steps together, so
+        the rank holding its first element speaks for it: O(parameters) gathered, at any Nd."""
+        part, keys, scalars = self.partition, set(), {}
+        for piece, w in zip(self.pieces, self.weights):
+            state = self.optim.state.get(w, {})
+            keys |= {key for key, v in state.items() if torch.is_tensor(v) and v.shape == w.shape}
+            k, lo, hi = part.segments_of[piece.index][0]
+            if state and part.holders(k, lo, lo + 1).start == part.rank:
+                scalars[self.names[part.params[piece.index]]] = {
+                    key: v for key, v in state.items() if not (torch.is_tensor(v) and v.shape == w.shape)}
+        everyone = [None] * part.nd
+        dist.all_gather_object(everyone, (keys, scalars), group=part.group)
+        return sorted(set().union(*(k for k, _ in everyone))), {n: v for _, s in everyone for n, v in s.items()}
 
     def _own_state(self, key):
         own = torch.zeros(self.own_numel, dtype=self.weights_dtype, device=self.partition.device)
@@ -638,20 +655,6 @@ class ZeroOptimizer:
             if key in self.optim.state.get(w, {}):
                 own[piece.own] = self.optim.state[w][key]
         return own
-
-    def _all_scalar_states(self):
-        """{parameter name: its non-elementwise optimizer state (AdamW's step)}, for every parameter
-        with state, on every rank (a collective). Every piece of a parameter steps together, so
-        the rank holding its first element speaks for it: O(parameters) gathered, at any Nd."""
-        part, mine = self.partition, {}
-        for piece, w in zip(self.pieces, self.weights):
-            k, lo, hi = part.segments_of[piece.index][0]
-            if w in self.optim.state and part.holders(k, lo, lo + 1).start == part.rank:
-                mine[self.names[part.params[piece.index]]] = {
-                    key: v for key, v in self.optim.state[w].items() if not (torch.is_tensor(v) and v.shape == w.shape)}
-        everyone = [None] * part.nd
-        dist.all_gather_object(everyone, mine, group=part.group)
-        return {name: keys for scalars in everyone for name, keys in scalars.items()}
 
 
 # -----------------------------------------------------------------------------------------
@@ -1171,7 +1174,7 @@ def checkpoint_activations(blocks, tp_group=None, partition=False, cpu=False, co
 #   stage 1  FlatParameters (all-gather after step)  GradientBuckets(full)                owns its chunks
 #   stage 2  FlatParameters (all-gather after step)  GradientBuckets(reduced chunks only)  owns its chunks
 #   stage 3  ShardedParameters (gathers per module)  GradientBuckets(reduced chunks only)  owns its chunks
-def initialize(module, optimizer_class, stage, group=None, param_groups=None, bucket_numel=DEFAULT_BUCKET_NUMEL,
+def initialize(module, optimizer_class, stage, group=None, param_groups=None, bucket_numel=None,
                param_dtype=None, reduce_dtype=None, loss_scale=None, stage3_units=None, prefetch=1,
                reduction="exact", check_timeout=60, init_fn=None, device=None, **optimizer_kwargs):
     """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world).
@@ -1183,7 +1186,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     init_fn, device: a module built on the meta device is initialised shard by shard on
         `device`: init_fn(submodule) fills that submodule's own parameters once zero has
         materialised them, the same values on every rank (e.g. gpt.py's model.init_weights).
-    bucket_numel: C_B, the elements of every reduce-scatter and all-gather.
+    bucket_numel: C_B, the elements of every reduce-scatter and all-gather (default:
+        default_bucket_numel(Nd), 2^22 up to Nd 64).
     reduction: "exact" (rank-order sums, bit-reproducible) or "native" (the backend's).
     param_dtype, reduce_dtype: 16-bit compute with an fp32 master; the dtype of the sums.
     loss_scale: fp16's DynamicLossScale (the default for float16) or a static number; then
@@ -1211,6 +1215,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         groups, hooks, shared = gather_groups(module, stage3_units or ())
         runs = [([p for p in members if p.requires_grad == trainable], trainable)
                 for members in groups for trainable in (True, False)]
+    if bucket_numel is None:
+        bucket_numel = default_bucket_numel(dist.get_world_size(group))
     partition = FlatPartition(params, [(run, t) for run, t in runs if run], group, bucket_numel, reduction,
                               torch.device(device))
     start = MetaInit(module, partition, init_fn, partition.device).values if params[0].is_meta \
@@ -1301,7 +1307,7 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be 0 (off) or more: how many largest units' worth of parameters stage 3 "
                          f"gathers ahead (got {prefetch!r})")
-    if bucket_numel < 1:
+    if bucket_numel is not None and bucket_numel < 1:
         raise ValueError(f"bucket_numel must be at least 1 (got {bucket_numel})")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be 'exact' (rank-order sums, bit-reproducible) or 'native' (the backend's "
@@ -1362,7 +1368,7 @@ def save_checkpoint(path, model, optimizer, **extra):
         partial.mkdir(parents=True)
     dist.barrier(group=group)
     opt.parameters.wait()
-    files, keys, scalars, error = {}, opt._state_keys(), opt._all_scalar_states(), None
+    files, (keys, scalars), error = {}, opt._all_states(), None
     buckets = range(len(part.buckets))
     try:
         for key in ["weights"] + keys:  # (shard_numel,): bucket k's chunk at own_k; one at a time
