@@ -35,12 +35,14 @@ def batch(step):
 
 
 _reference_cache = {}
+SCHEDULE = lambda step: 0.6 ** step  # LambdaLR's factor of the initial lr at each step
 
 
-def ddp_reference(opt_name, symmetric, max_norm=None):
+def ddp_reference(opt_name, symmetric, max_norm=None, schedule=False):
     """Loss, state dict, optimizer state and clipped norm after each step of torch DDP (cached
-    per rank); max_norm: torch.nn.utils.clip_grad_norm_ before each step."""
-    key = (dist.get_world_size(), opt_name, symmetric, max_norm)
+    per rank); max_norm: torch.nn.utils.clip_grad_norm_ before each step; schedule: a LambdaLR
+    stepped after each step."""
+    key = (dist.get_world_size(), opt_name, symmetric, max_norm, schedule)
     if key in _reference_cache:
         return _reference_cache[key]
     model = make_model()
@@ -49,6 +51,7 @@ def ddp_reference(opt_name, symmetric, max_norm=None):
         ddp.register_comm_hook(None, rank_order_hook)
     cls, kw = OPTIMIZERS[opt_name]
     opt = cls(param_groups(model), **kw)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, SCHEDULE) if schedule else None
     names = {p: n for n, p in model.named_parameters()}
     trajectory = []
     for step in range(STEPS):
@@ -58,6 +61,8 @@ def ddp_reference(opt_name, symmetric, max_norm=None):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) if max_norm else None
         opt.step()
         opt.zero_grad()
+        if scheduler:
+            scheduler.step()
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         dist.broadcast(state["seen"], src=0)  # buffers as the next forward sees them: rank 0's
         optim = {names[p]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
@@ -66,13 +71,16 @@ def ddp_reference(opt_name, symmetric, max_norm=None):
     return trajectory
 
 
-def on_rank_match_ddp(stage, opt_name, bucket_numel, reduction="exact", max_norm=None):
+def on_rank_match_ddp(stage, opt_name, bucket_numel, reduction="exact", max_norm=None, schedule=False):
     symmetric = stage == 3
-    reference = ddp_reference(opt_name, symmetric, max_norm)
+    reference = ddp_reference(opt_name, symmetric, max_norm, schedule)
     model = make_model()
     cls, kw = OPTIMIZERS[opt_name]
     model, opt = zero.initialize(model, cls, stage=stage, param_groups=param_groups(model),
                                  bucket_numel=bucket_numel, reduction=reduction, **kw)
+    # a torch LR scheduler drives the torch optimizer over this rank's pieces, whose param_groups
+    # are zero's own
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt.optim, SCHEDULE) if schedule else None
     mismatches = []
     for step, (ref_loss, ref_state, ref_optim, ref_norm) in enumerate(reference):
         x, y = batch(step)
@@ -84,6 +92,8 @@ def on_rank_match_ddp(stage, opt_name, bucket_numel, reduction="exact", max_norm
                 mismatches.append(f"step {step}: norm {ref_norm} does not exceed {max_norm}: clipping idle")
         opt.step()
         opt.zero_grad()
+        if scheduler:
+            scheduler.step()
         mismatches += compare(f"step {step} loss", loss.detach(), ref_loss)
         mismatches += compare(f"step {step} state", zero.full_state_dict(model), ref_state)
         mismatches += compare(f"step {step} optimizer", zero.full_optimizer_state(model), ref_optim)
@@ -101,6 +111,14 @@ def test_stage_matches_ddp_bitwise(world, stage, opt_name, nd):
     """Losses at every step, every tensor of the full state after every step and the gathered
     optimizer state, all torch.equal to DDP, on Net (odd sizes, tied, frozen, unused, buffer)."""
     assert world(nd).run(on_rank_match_ddp, stage, opt_name, 64) == [[]] * nd
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_torch_lr_scheduler_drives_zero_as_it_drives_ddp(world, stage):
+    """LambdaLR over optimizer.optim (the torch optimizer zero steps) scales the lr by 0.6 every
+    step: the same bits as DDP with the same scheduler, at every step."""
+    assert world(2).run(on_rank_match_ddp, stage, "adamw", 64, "exact", None, True) == [[]] * 2
 
 
 @pytest.mark.xdist_group("world3")
@@ -367,6 +385,37 @@ def test_stage3_rank_that_stops_gathering_is_caught_by_the_timeout(world):
     print(f"rank 0 after {seconds:.2f} s: {message}")
     assert other is None and message is not None and 3 <= seconds < 10, (message, seconds)
     assert "not every rank reached a gather within 3 s" in message and "a" in message, message
+
+
+# -----------------------------------------------------------------------------------------
+# The module's own state_dict and load_state_dict would go around the shards: module.state_dict()
+# at stage 3 would copy freed storage (a crash or garbage), load_state_dict would miss the fp32
+# master and stage 3's shard (silently undone by the next step). Both are errors naming the fix.
+# -----------------------------------------------------------------------------------------
+def on_rank_state_dict_around_zero(stage):
+    model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, param_dtype=torch.bfloat16,
+                                 lr=1e-2)
+    before, errors = zero.full_state_dict(model), {}
+    for name, call in (("state_dict", lambda: model.state_dict()),
+                       ("load_state_dict", lambda: model.load_state_dict({k: v + 1 for k, v in before.items()}))):
+        try:
+            call()
+        except RuntimeError as e:
+            errors[name] = str(e)
+    return errors, compare("after load_state_dict", zero.full_state_dict(model), before)
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_module_state_dict_and_load_state_dict_name_the_fix(world, stage):
+    for errors, unchanged in world(2).run(on_rank_state_dict_around_zero, stage):
+        print(f"stage {stage}: {errors}")
+        assert unchanged == [], unchanged
+        assert "zero.load_checkpoint" in errors["load_state_dict"], errors
+        if stage == 3:
+            assert "zero.full_state_dict(model)" in errors["state_dict"], errors
+        else:  # the parameters are whole on every rank: the module's state_dict is theirs
+            assert "state_dict" not in errors, errors
 
 
 # -----------------------------------------------------------------------------------------

@@ -360,7 +360,9 @@ class Piece:
 
 class ZeroOptimizer:
     """The optimizer a user steps: backward (with fp16 loss scaling), clip_grad_norm_, step,
-    zero_grad. It composes the parameters (5.1 or 5.3) and the gradient buckets (5.2)."""
+    zero_grad. It composes the parameters (5.1 or 5.3) and the gradient buckets (5.2). `optim`
+    is the torch optimizer over this rank's pieces (its param_groups are ours): hand it to a
+    torch LR scheduler."""
 
     def __init__(self, module, partition, parameters, gradients, owned, precision, loss_scale, start,
                  optimizer_class, param_groups, optimizer_kwargs):
@@ -934,6 +936,7 @@ class ShardedParameters:
         for m, gids in hooks:
             m.register_forward_pre_hook(lambda mod, args, gids=gids: self._pre_forward(gids))
             m.register_forward_hook(lambda mod, args, out, gids=gids: self._post_forward(gids, out))
+            m.register_state_dict_pre_hook(self._refuse_state_dict)
         module.register_forward_hook(lambda mod, args, out: self._end_forward())
 
     def load(self, k, values):
@@ -978,6 +981,15 @@ class ShardedParameters:
     @staticmethod
     def _free(buf):
         buf.untyped_storage().resize_(0)
+
+    @staticmethod
+    def _refuse_state_dict(module, prefix, keep_vars):
+        """module.state_dict() would copy parameters whose storage is freed outside a forward.
+        keep_vars=True hands back the Parameters themselves, as named_parameters() does."""
+        if not keep_vars:
+            raise RuntimeError("at stage 3 a parameter holds data only while its module runs, so module.state_dict() "
+                               "has nothing to copy: zero.full_state_dict(model) gathers the full tensors (a "
+                               "collective), zero.save_checkpoint(path, model, optimizer) saves the shards")
 
     def _gather(self, gids, prefetch=False):
         """Gather groups gids (prefetch: leave the all-gathers in flight). Returns their elements."""
@@ -1241,8 +1253,16 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     buffers = list(module.buffers())
     if buffers and partition.nd > 1:
         module.register_forward_pre_hook(functools.partial(_broadcast_buffers, buffers, group))
+    for m in module.modules():  # loading around zero would miss the fp32 master and stage 3's shard
+        m.register_load_state_dict_pre_hook(_refuse_load_state_dict)
     module._zero = optimizer
     return module, optimizer
+
+
+def _refuse_load_state_dict(*args):
+    raise RuntimeError("this module is sharded by zero.initialize, and load_state_dict would write around the "
+                       "shards: load weights before zero.initialize (every rank starts from rank 0's), or "
+                       "restore a zero checkpoint with zero.load_checkpoint(path, model, optimizer)")
 
 
 def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
