@@ -388,16 +388,19 @@ def test_stage3_rank_that_stops_gathering_is_caught_by_the_timeout(world):
 
 
 # -----------------------------------------------------------------------------------------
-# The module's own state_dict and load_state_dict would go around the shards: module.state_dict()
-# at stage 3 would copy freed storage (a crash or garbage), load_state_dict would miss the fp32
-# master and stage 3's shard (silently undone by the next step). Both are errors naming the fix.
+# The module's own state_dict, load_state_dict and conversions would go around the shards:
+# module.state_dict() at stage 3 would copy freed storage (a crash or garbage); load_state_dict
+# would miss the fp32 master and stage 3's shard (silently undone by the next step); module.to()
+# or .double() would replace the parameters the step updates (training silently stops; at stage
+# 3 a crash). Each is an error naming the fix; a conversion that changes nothing goes through.
 # -----------------------------------------------------------------------------------------
 def on_rank_state_dict_around_zero(stage):
     model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, param_dtype=torch.bfloat16,
                                  lr=1e-2)
     before, errors = zero.full_state_dict(model), {}
     for name, call in (("state_dict", lambda: model.state_dict()),
-                       ("load_state_dict", lambda: model.load_state_dict({k: v + 1 for k, v in before.items()}))):
+                       ("load_state_dict", lambda: model.load_state_dict({k: v + 1 for k, v in before.items()})),
+                       ("to cpu", lambda: model.to("cpu")), ("double", lambda: model.double())):
         try:
             call()
         except RuntimeError as e:
@@ -407,11 +410,12 @@ def on_rank_state_dict_around_zero(stage):
 
 @pytest.mark.xdist_group("world2")
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_module_state_dict_and_load_state_dict_name_the_fix(world, stage):
+def test_module_state_dict_load_state_dict_and_conversions_name_the_fix(world, stage):
     for errors, unchanged in world(2).run(on_rank_state_dict_around_zero, stage):
         print(f"stage {stage}: {errors}")
         assert unchanged == [], unchanged
         assert "zero.load_checkpoint" in errors["load_state_dict"], errors
+        assert "before zero.initialize" in errors["double"] and "to cpu" not in errors, errors
         if stage == 3:
             assert "zero.full_state_dict(model)" in errors["state_dict"], errors
         else:  # the parameters are whole on every rank: the module's state_dict is theirs

@@ -1255,8 +1255,21 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         module.register_forward_pre_hook(functools.partial(_broadcast_buffers, buffers, group))
     for m in module.modules():  # loading around zero would miss the fp32 master and stage 3's shard
         m.register_load_state_dict_pre_hook(_refuse_load_state_dict)
+        m._apply = functools.partial(_refuse_conversion, m)  # module.to(), .half(), .cuda(): see there
     module._zero = optimizer
     return module, optimizer
+
+
+def _refuse_conversion(module, fn, recurse=True):
+    """Module._apply, which module.to(), .half(), .cuda() and the like call: a conversion would
+    replace parameters that are views into zero's buffers (at stage 3, of freed storage), leaving
+    the step to update tensors the model no longer uses. One that changes nothing goes through."""
+    for p in module.parameters(recurse=False):
+        probe = torch.empty(0, dtype=p.dtype, device=p.device)
+        if fn(probe) is not probe:
+            raise RuntimeError("zero.initialize has laid this module's parameters into its own buffers: move or "
+                               "cast the module before zero.initialize (param_dtype=torch.bfloat16 for 16-bit compute)")
+    return type(module)._apply(module, fn, recurse)
 
 
 def _refuse_load_state_dict(*args):
