@@ -395,12 +395,15 @@ def test_stage3_rank_that_stops_gathering_is_caught_by_the_timeout(world):
 # 3 a crash). Each is an error naming the fix; a conversion that changes nothing goes through.
 # -----------------------------------------------------------------------------------------
 def on_rank_state_dict_around_zero(stage):
-    model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, param_dtype=torch.bfloat16,
-                                 lr=1e-2)
+    # fp32: full_state_dict reads the parameters themselves (no master), so a load that went through
+    # shows; at stage 3 the whole model is one unit, fc1 a module inside it
+    net = make_model()
+    model, opt = zero.initialize(net, torch.optim.AdamW, stage=stage, stage3_units=[net], lr=1e-2)
     before, errors = zero.full_state_dict(model), {}
     for name, call in (("state_dict", lambda: model.state_dict()),
                        ("load_state_dict", lambda: model.load_state_dict({k: v + 1 for k, v in before.items()})),
-                       ("to cpu", lambda: model.to("cpu")), ("double", lambda: model.double())):
+                       ("to cpu", lambda: model.to("cpu")), ("double", lambda: model.double()),
+                       ("a submodule's state_dict", lambda: model.fc1.state_dict())):
         try:
             call()
         except RuntimeError as e:
@@ -418,6 +421,7 @@ def test_module_state_dict_load_state_dict_and_conversions_name_the_fix(world, s
         assert "before zero.initialize" in errors["double"] and "to cpu" not in errors, errors
         if stage == 3:
             assert "zero.full_state_dict(model)" in errors["state_dict"], errors
+            assert "zero.full_state_dict(model)" in errors["a submodule's state_dict"], errors
         else:  # the parameters are whole on every rank: the module's state_dict is theirs
             assert "state_dict" not in errors, errors
 

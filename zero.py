@@ -936,6 +936,7 @@ class ShardedParameters:
         for m, gids in hooks:
             m.register_forward_pre_hook(lambda mod, args, gids=gids: self._pre_forward(gids))
             m.register_forward_hook(lambda mod, args, out, gids=gids: self._post_forward(gids, out))
+        for m in module.modules():  # a module inside a unit too: its parameters are freed with the unit's
             m.register_state_dict_pre_hook(self._refuse_state_dict)
         module.register_forward_hook(lambda mod, args, out: self._end_forward())
 
