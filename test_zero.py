@@ -491,6 +491,8 @@ def on_rank_bad_inputs():
                                                                     prefetch=-1),
         "param_groups leaves out trainable parameters": lambda: (lambda m: zero.initialize(
             m, torch.optim.AdamW, stage=1, param_groups=[{"params": [m.weight]}]))(nn.Linear(2, 2)),
+        "already sharded by zero.initialize: keep the model": lambda: zero.initialize(
+            zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=3)[0], torch.optim.AdamW, stage=1),
     }
     failures = []
     for pattern, call in cases.items():

@@ -1292,6 +1292,9 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
                         f"(got {type(group).__name__}); make one with dist.new_group(ranks) or a DeviceMesh")
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module (got {type(module).__name__})")
+    if any(isinstance(getattr(m, "_zero", None), ZeroOptimizer) for m in module.modules()):
+        raise ValueError("this module (or one inside it) was already sharded by zero.initialize: keep the model and "
+                         "optimizer it returned, or build a fresh module")
     if isinstance(optimizer_class, torch.optim.Optimizer):
         raise TypeError(f"pass the optimizer class, not an instance: zero.initialize(module, "
                         f"torch.optim.{type(optimizer_class).__name__}, stage=..., lr=...) and its "
