@@ -131,6 +131,39 @@ def test_temporary_communication_buffers_are_bounded_by_the_bucket(world, stage)
     assert small <= bucket_numel and large <= bucket_numel, (small, large)
 
 
+def on_rank_export_buffers(stage, bucket_numel):
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    model, opt = zero.initialize(mlp, torch.optim.AdamW, stage=stage, bucket_numel=bucket_numel, lr=1e-3)
+    F.mse_loss(model(torch.randn(4, 64)), torch.randn(4, 64)).backward()
+    opt.step()
+    persistent = {t.untyped_storage()._cdata for t in opt.parameters.storages()}
+    written, real = [], dist.all_gather_single
+
+    def recorded(out, *args, **kwargs):  # the storage behind each buffer an all-gather writes into
+        if out.untyped_storage()._cdata not in persistent:
+            written.append(out.untyped_storage().nbytes() // out.element_size())
+        return real(out, *args, **kwargs)
+
+    dist.all_gather_single = recorded
+    try:
+        zero.full_state_dict(model), zero.full_optimizer_state(model)
+    finally:
+        dist.all_gather_single = real
+    return written, sum(p.numel() for p in mlp.parameters())
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_full_state_gathers_through_one_bucket(world, stage):
+    """full_state_dict and full_optimizer_state gather the whole model into CPU memory a bucket
+    at a time: no buffer an all-gather writes into (the parameters' own storage aside) is larger
+    than a bucket, for a model of more than 30 buckets."""
+    written, psi = world(2).run(on_rank_export_buffers, stage, 1000)[0]
+    print(f"stage {stage}: {len(written)} all-gathers, the largest into {max(written)} elements, Ψ = {psi}")
+    assert psi > 30 * 1000 and written and max(written) <= 1000, (max(written), psi)
+
+
 # -----------------------------------------------------------------------------------------
 # C_B at any Nd: zero.py's own code as ranks 0, 32 and 63 of a fake world of 64 (torch's
 # `fake` process group: collectives take their tensors and move no data). The bucket is

@@ -270,10 +270,14 @@ class FlatPartition:
         return dist.all_gather_single(out, mine, group=self.group, async_op=async_op)
 
     def to_flat(self, own):
-        """(padded_numel,) from every rank's (shard_numel,): an all-gather per bucket (not in training)."""
-        full = own.new_empty(self.padded_numel)
+        """(padded_numel,) in CPU memory from every rank's (shard_numel,): an all-gather per
+        bucket through a bucket-sized buffer, so the device holds one bucket more at any model
+        size (not in training)."""
+        full = torch.empty(self.padded_numel, dtype=own.dtype)
         for k in range(len(self.buckets)):
-            self.all_gather(full[self.flat_range(k)], own[self.own(k)], async_op=False)
+            bucket = own.new_empty(self.buckets[k].chunk * self.nd)
+            self.all_gather(bucket, own[self.own(k)], async_op=False)
+            full[self.flat_range(k)] = bucket
         return full
 
     def values(self, k):
@@ -602,9 +606,9 @@ class ZeroOptimizer:
                     for t in tensors if t.untyped_storage().nbytes() > 0}
         return sum(storages.values())
 
-    # Full tensors for checkpoints and tests (gathered; not on the training path).
+    # Full tensors, in CPU memory, for export and tests (gathered; not on the training path).
     def _to_flat(self, own):
-        return own if self.own_numel == self.partition.padded_numel else self.partition.to_flat(own)
+        return own.cpu() if self.own_numel == self.partition.padded_numel else self.partition.to_flat(own)
 
     def full_state_dict(self):
         self.parameters.wait()
@@ -614,11 +618,11 @@ class ZeroOptimizer:
         for name, t in self.module.state_dict(keep_vars=True).items():
             if t in part.index:
                 a = part.offsets[part.index[t]]
-                value = flat[a:a + t.numel()].view(t.shape).clone()
+                value = flat[a:a + t.numel()].view(t.shape).to("cpu", copy=True)
             else:  # a buffer: rank 0's, as the next forward would see it
                 value = t.detach().clone()
                 dist.broadcast(value, group_src=0, group=part.group)
-            state[name] = value.float() if value.is_floating_point() else value
+            state[name] = (value.float() if value.is_floating_point() else value).cpu()
         return state
 
     def full_optimizer_state(self):
@@ -1358,8 +1362,9 @@ def _engine(module):
 
 
 def full_state_dict(module):
-    """{name: full tensor} for every parameter and buffer (floating point as fp32), the same keys
-    as module.state_dict(), identical on every rank. A collective: call it on every rank."""
+    """{name: full CPU tensor} for every parameter and buffer (floating point as fp32), the same
+    keys as module.state_dict(), identical on every rank. A collective: call it on every rank.
+    Gathered a bucket at a time: the device holds one bucket more; the CPU holds the model."""
     return _engine(module).full_state_dict()
 
 
@@ -1369,8 +1374,8 @@ def model_state_bytes(module):
 
 
 def full_optimizer_state(module):
-    """{parameter name: {state key: full tensor}}: the optimizer state as one unsharded optimizer
-    would hold it. A collective: call it on every rank."""
+    """{parameter name: {state key: full CPU tensor}}: the optimizer state as one unsharded
+    optimizer would hold it. A collective: call it on every rank."""
     return _engine(module).full_optimizer_state()
 
 
