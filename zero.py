@@ -1268,8 +1268,9 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
 def _refuse_conversion(module, fn, recurse=True):
     """Module._apply, which module.to(), .half(), .cuda() and the like call: a conversion would
     replace parameters that are views into zero's buffers (at stage 3, of freed storage), leaving
-    the step to update tensors the model no longer uses. One that changes nothing goes through."""
-    for p in module.parameters(recurse=False):
+    the step to update tensors the model no longer uses. One that changes nothing goes through.
+    Every parameter below is checked before anything converts, so a refusal leaves all as it was."""
+    for p in module.parameters():
         probe = torch.empty(0, dtype=p.dtype, device=p.device)
         if fn(probe) is not probe:
             raise RuntimeError("zero.initialize has laid this module's parameters into its own buffers: move or "
