@@ -393,6 +393,7 @@ def test_stage3_rank_that_stops_gathering_is_caught_by_the_timeout(world):
 # would miss the fp32 master and stage 3's shard (silently undone by the next step); module.to()
 # or .double() would replace the parameters the step updates (training silently stops; at stage
 # 3 a crash). Each is an error naming the fix; a conversion that changes nothing goes through.
+# So is the optimizer's own state_dict and load_state_dict (its state is sharded).
 # -----------------------------------------------------------------------------------------
 def on_rank_state_dict_around_zero(stage):
     # fp32: full_state_dict reads the parameters themselves (no master), so a load that went through
@@ -403,7 +404,9 @@ def on_rank_state_dict_around_zero(stage):
     for name, call in (("state_dict", lambda: model.state_dict()),
                        ("load_state_dict", lambda: model.load_state_dict({k: v + 1 for k, v in before.items()})),
                        ("to cpu", lambda: model.to("cpu")), ("double", lambda: model.double()),
-                       ("a submodule's state_dict", lambda: model.fc1.state_dict())):
+                       ("a submodule's state_dict", lambda: model.fc1.state_dict()),
+                       ("optimizer.state_dict", lambda: opt.state_dict()),
+                       ("optimizer.load_state_dict", lambda: opt.load_state_dict({}))):
         try:
             call()
         except RuntimeError as e:
@@ -419,11 +422,13 @@ def test_module_state_dict_load_state_dict_and_conversions_name_the_fix(world, s
         assert unchanged == [], unchanged
         assert "zero.load_checkpoint" in errors["load_state_dict"], errors
         assert "before zero.initialize" in errors["double"] and "to cpu" not in errors, errors
+        assert "zero.save_checkpoint" in errors["optimizer.state_dict"], errors
+        assert "zero.load_checkpoint" in errors["optimizer.load_state_dict"], errors
         if stage == 3:
             assert "zero.full_state_dict(model)" in errors["state_dict"], errors
             assert "zero.full_state_dict(model)" in errors["a submodule's state_dict"], errors
         else:  # the parameters are whole on every rank: the module's state_dict is theirs
-            assert "state_dict" not in errors, errors
+            assert "state_dict" not in errors and "a submodule's state_dict" not in errors, errors
 
 
 # -----------------------------------------------------------------------------------------

@@ -591,6 +591,14 @@ class ZeroOptimizer:
         self.gradients.zero_grad()
         self.grads, self.overflow = None, False
 
+    def state_dict(self):
+        raise RuntimeError("the optimizer's state is sharded over the ranks: zero.save_checkpoint(path, model, "
+                           "optimizer) saves it (loadable at any Nd), zero.full_optimizer_state(model) gathers it")
+
+    def load_state_dict(self, state_dict):
+        raise RuntimeError("the optimizer's state is sharded over the ranks: restore it with "
+                           "zero.load_checkpoint(path, model, optimizer)")
+
     def wait_params(self):
         """Stages 1-2: wait for the all-gather step() left in flight (other stages: nothing to wait for)."""
         self.parameters.wait()
