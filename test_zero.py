@@ -405,11 +405,15 @@ def on_rank_state_dict_around_zero(stage):
                        ("load_state_dict", lambda: model.load_state_dict({k: v + 1 for k, v in before.items()})),
                        ("to cpu", lambda: model.to("cpu")), ("double", lambda: model.double()),
                        ("a submodule's state_dict", lambda: model.fc1.state_dict()),
+                       ("share_memory", lambda: model.share_memory()),
+                       ("channels_last", lambda: zero.initialize(nn.Conv2d(2, 2, 1), torch.optim.AdamW, stage=stage,
+                                                                 lr=1e-2)[0].to(memory_format=torch.channels_last)),
+                       ("a submodule again", lambda: zero.initialize(model.fc1, torch.optim.AdamW, stage=stage)),
                        ("optimizer.state_dict", lambda: opt.state_dict()),
                        ("optimizer.load_state_dict", lambda: opt.load_state_dict({}))):
         try:
             call()
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:
             errors[name] = str(e)
     return errors, compare("after load_state_dict", zero.full_state_dict(model), before)
 
@@ -422,6 +426,8 @@ def test_module_state_dict_load_state_dict_and_conversions_name_the_fix(world, s
         assert unchanged == [], unchanged
         assert "zero.load_checkpoint" in errors["load_state_dict"], errors
         assert "before zero.initialize" in errors["double"] and "to cpu" not in errors, errors
+        assert "before zero.initialize" in errors["share_memory"] and "before" in errors["channels_last"], errors
+        assert "already sharded by zero.initialize" in errors["a submodule again"], errors
         assert "zero.save_checkpoint" in errors["optimizer.state_dict"], errors
         assert "zero.load_checkpoint" in errors["optimizer.load_state_dict"], errors
         if stage == 3:

@@ -274,8 +274,9 @@ class FlatPartition:
         bucket through a bucket-sized buffer, so the device holds one bucket more at any model
         size (not in training)."""
         full = torch.empty(self.padded_numel, dtype=own.dtype)
+        buffer = own.new_empty(max(b.chunk for b in self.buckets) * self.nd)
         for k in range(len(self.buckets)):
-            bucket = own.new_empty(self.buckets[k].chunk * self.nd)
+            bucket = buffer[:self.buckets[k].chunk * self.nd]
             self.all_gather(bucket, own[self.own(k)], async_op=False)
             full[self.flat_range(k)] = bucket
         return full
@@ -637,7 +638,8 @@ class ZeroOptimizer:
         """{parameter name: {state key: full tensor}}, as the optimizer would hold it whole."""
         keys, scalars = self._all_states()  # which parameters have state, and its scalars (AdamW's step)
         params = {n: p for n, p in self.module.named_parameters() if n in scalars}  # in module order
-        result = {name: scalars[name] for name in params}
+        result = {name: {key: v.cpu() if torch.is_tensor(v) else v for key, v in scalars[name].items()}
+                  for name in params}
         for key in keys:  # one gather per elementwise state
             full = self._to_flat(self._own_state(key))
             for name, p in params.items():
@@ -1274,13 +1276,16 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
 
 
 def _refuse_conversion(module, fn, recurse=True):
-    """Module._apply, which module.to(), .half(), .cuda() and the like call: a conversion would
-    replace parameters that are views into zero's buffers (at stage 3, of freed storage), leaving
-    the step to update tensors the model no longer uses. One that changes nothing goes through.
-    Every parameter below is checked before anything converts, so a refusal leaves all as it was."""
+    """Module._apply, which module.to(), .half(), .cuda(), .share_memory() and the like call: a
+    conversion would replace or move parameters that are views into zero's buffers (at stage 3,
+    of freed storage), leaving the step to update tensors the model no longer uses. It is tried
+    on a small probe of each parameter's dtype, device and rank (a memory format needs 4 or 5
+    dimensions): one that changes nothing goes through. Every parameter below is checked before
+    anything converts, so a refusal leaves all as it was."""
     for p in module.parameters():
-        probe = torch.empty(0, dtype=p.dtype, device=p.device)
-        if fn(probe) is not probe:
+        probe = torch.empty((2,) * p.dim(), dtype=p.dtype, device=p.device)
+        shared = probe.is_shared()  # share_memory() converts in place (a CUDA tensor is always "shared")
+        if fn(probe) is not probe or probe.is_shared() != shared:
             raise RuntimeError("zero.initialize has laid this module's parameters into its own buffers: move or "
                                "cast the module before zero.initialize (param_dtype=torch.bfloat16 for 16-bit compute)")
     return type(module)._apply(module, fn, recurse)
@@ -1305,9 +1310,9 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
                         f"(got {type(group).__name__}); make one with dist.new_group(ranks) or a DeviceMesh")
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module (got {type(module).__name__})")
-    if any(isinstance(getattr(m, "_zero", None), ZeroOptimizer) for m in module.modules()):
-        raise ValueError("this module (or one inside it) was already sharded by zero.initialize: keep the model and "
-                         "optimizer it returned, or build a fresh module")
+    if any(getattr(m.__dict__.get("_apply"), "func", None) is _refuse_conversion for m in module.modules()):
+        raise ValueError("this module (or one inside it, or around it) was already sharded by zero.initialize: keep "
+                         "the model and optimizer it returned, or build a fresh module")
     if isinstance(optimizer_class, torch.optim.Optimizer):
         raise TypeError(f"pass the optimizer class, not an instance: zero.initialize(module, "
                         f"torch.optim.{type(optimizer_class).__name__}, stage=..., lr=...) and its "
