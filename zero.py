@@ -627,11 +627,12 @@ class ZeroOptimizer:
         for name, t in self.module.state_dict(keep_vars=True).items():
             if t in part.index:
                 a = part.offsets[part.index[t]]
-                value = flat[a:a + t.numel()].view(t.shape).to("cpu", copy=True)
+                value = flat[a:a + t.numel()].view(t.shape)
             else:  # a buffer: rank 0's, as the next forward would see it
                 value = t.detach().clone()
                 dist.broadcast(value, group_src=0, group=part.group)
-            state[name] = (value.float() if value.is_floating_point() else value).cpu()
+            # one copy, to the CPU and to fp32 at once: the state shares no storage with the model
+            state[name] = value.to("cpu", torch.float32 if value.is_floating_point() else value.dtype, copy=True)
         return state
 
     def full_optimizer_state(self):
@@ -656,11 +657,12 @@ class ZeroOptimizer:
         part, keys, scalars = self.partition, set(), {}
         for piece, w in zip(self.pieces, self.weights):
             state = self.optim.state.get(w, {})
-            keys |= {key for key, v in state.items() if torch.is_tensor(v) and v.shape == w.shape}
+            elementwise = {key for key, v in state.items() if torch.is_tensor(v) and v.shape == w.shape}
+            keys |= elementwise
             k, lo, hi = part.segments_of[piece.index][0]
             if state and part.holders(k, lo, lo + 1).start == part.rank:
                 scalars[self.names[part.params[piece.index]]] = {
-                    key: v for key, v in state.items() if not (torch.is_tensor(v) and v.shape == w.shape)}
+                    key: v for key, v in state.items() if key not in elementwise}
         everyone = [None] * part.nd
         dist.all_gather_object(everyone, (keys, scalars), group=part.group)
         return sorted(set().union(*(k for k, _ in everyone))), {n: v for _, s in everyone for n, v in s.items()}
