@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import train
 import zero
 from gpt import GPT, GPTConfig, make_mesh
 
@@ -104,3 +105,19 @@ def test_train_resumed_from_a_checkpoint_gives_the_uninterrupted_losses(tmp_path
                                 "--resume", str(tmp_path / "a" / "step_000020"))
     assert "resumed from" in stdout and "saved" in stdout
     assert [row["loss"] for row in resumed["log"]] == [row["loss"] for row in whole["log"]][20:]
+
+
+def test_resumed_data_streams_are_each_ranks_own_at_any_dp():
+    """A checkpoint holds the data position of each dp rank that saved it. At the same dp each
+    rank continues its own stream; at another dp each rank draws a fresh stream of its own (else,
+    saved at dp 1 and resumed at dp 2, rank 1 would get saved rank 0's position and both ranks
+    would train on the same batches)."""
+    draw = lambda gen: torch.randint(10**6, (16,), generator=gen)
+    running = [train.data_stream(0, r, 2) for r in range(2)]
+    saved = [dict(step=5, dp=2, data=gen.get_state()) for gen in running]
+    resumed = [train.data_stream(0, r, 2, 5, saved[r]) for r in range(2)]
+    assert all(torch.equal(draw(a), draw(b)) for a, b in zip(resumed, running))
+    at_dp1 = dict(step=5, dp=1, data=train.data_stream(0, 0, 1).get_state())
+    first = [draw(train.data_stream(0, r, 2, 5, at_dp1)) for r in range(2)]  # load_checkpoint: rank r gets r % 1
+    assert not torch.equal(first[0], first[1]), first
+    assert not any(torch.equal(batch, draw(train.data_stream(0, 0, 1))) for batch in first)

@@ -19,6 +19,7 @@ import pathlib
 import sysconfig
 import time
 import tokenize
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -178,6 +179,19 @@ def lr_at(step, args):
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def data_stream(seed, dp_rank, dp, step=0, saved=None):
+    """This dp rank's batch generator: its own stream from the seed; on resume the saved position
+    of its stream. A checkpoint saved at another dp size holds other ranks' streams (rank r would
+    get saved rank r % dp's and repeat another rank's batches), so each rank draws a fresh stream
+    of its own, seeded by the step it resumes at."""
+    gen = torch.Generator()
+    if saved is None:
+        return gen.manual_seed(seed * 1000 + dp_rank)
+    if saved.get("dp") == dp:
+        return gen.set_state(saved["data"])
+    return gen.manual_seed(zlib.crc32(f"{seed}:{step}:{dp_rank}".encode()))
+
+
 def latest_checkpoint(save_dir):
     """The complete checkpoint of the highest step in save_dir (a save cut short has no manifest)."""
     done = sorted(pathlib.Path(save_dir).glob("step_*/manifest.json"))
@@ -229,14 +243,14 @@ def main(argv=None):
     log(f"{backend} on {device.type} | world {world} = dp {dp} x tp {args.tp} | ZeRO stage {args.stage} | {args.dtype} | "
         f"model {args.model}: {num_params(config) / 1e6:.2f}M parameters | corpus {len(data) / 1e6:.1f} MB")
 
-    gen = torch.Generator().manual_seed(args.seed * 1000 + dp_rank)  # each dp rank its own batches
-    first = 0
+    gen, first = data_stream(args.seed, dp_rank, dp), 0  # each dp rank its own batches
     if args.resume:  # the model, optimizer, loss scale and RNG, then the step and the data position
         path = latest_checkpoint(args.save_dir) if args.resume == "latest" else args.resume
         extra = zero.load_checkpoint(path, model, optimizer)
         first = extra["step"]
-        gen.set_state(extra["data"])
-        log(f"resumed from {path} at step {first}")
+        gen = data_stream(args.seed, dp_rank, dp, first, extra)
+        log(f"resumed from {path} at step {first}" + ("" if extra.get("dp") == dp else
+            f" (saved at dp {extra.get('dp', '?')}, now dp {dp}: each rank draws a fresh data stream)"))
     tokens_per_step = args.batch_size * args.seq_len * dp * args.grad_accum
     history, val_history = [], []
     for step in range(first, args.steps):
@@ -287,7 +301,7 @@ def main(argv=None):
             log(f"step {step:4d} | validation loss {val:.4f}")
         if args.save_dir and (step == args.steps - 1 or args.save_every and (step + 1) % args.save_every == 0):
             path = pathlib.Path(args.save_dir) / f"step_{step + 1:06d}"
-            zero.save_checkpoint(path, model, optimizer, step=step + 1, data=gen.get_state())
+            zero.save_checkpoint(path, model, optimizer, step=step + 1, dp=dp, data=gen.get_state())
             log(f"step {step:4d} | saved {path}")
 
     # a sample: every rank runs the same generation (stage 3 gathers parameters collectively,
