@@ -811,19 +811,26 @@ def main(argv=None):
         parser.add_argument(f"--{name}", action="store_true", help=f"print the {name} section")
     parser.add_argument("--json", action="store_true", help="one JSON object of every table's rows")
     parser.add_argument("--world", type=int, nargs="+", default=[1, 2, 4], help="world sizes --measure runs")
-    parser.add_argument("--model", default="tiny", help="the gpt.py preset --measure trains")
+    parser.add_argument("--model", default="tiny", choices=list(PRESETS), help="the gpt.py preset --measure trains")
     parser.add_argument("--sizes", nargs="+", default=[m[0] for m in SIMULATED], choices=[m[0] for m in SIMULATED],
                         help="models --simulate runs")
     fit = parser.add_argument_group("--fit: the largest model per stage under a real memory cap (on request only)")
     fit.add_argument("--fit", action="store_true", help="search, per stage and dtype, the largest model that trains")
     fit.add_argument("--budget", type=float, default=FIT_BUDGET_MB, help="MB of address space per rank")
     fit.add_argument("--nd", type=int, default=FitSetting.nd, help="data-parallel ranks")
-    fit.add_argument("--family", default=FitSetting.family, help="the gpt.py preset whose n_layer grows")
+    fit.add_argument("--family", default=FitSetting.family, choices=list(PRESETS),
+                     help="the gpt.py preset whose n_layer grows")
     fit.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     fit.add_argument("--batch_size", type=int, default=FitSetting.batch_size, help="sequences per rank per step")
     fit.add_argument("--seq_len", type=int, default=FitSetting.seq_len)
     fit.add_argument("--bucket_numel", type=int, default=FitSetting.bucket_numel, help="C_B (default: train.py's)")
     args = parser.parse_args(argv)
+    for name, values in (("world", args.world), ("nd", [args.nd]), ("batch_size", [args.batch_size]),
+                         ("seq_len", [args.seq_len]), ("bucket_numel", [1 if args.bucket_numel is None else args.bucket_numel])):
+        if min(values) < 1:
+            parser.error(f"--{name} must be at least 1 (got {min(values)})")
+    if args.budget <= 0:
+        parser.error(f"--budget must be more than 0 MB (got {args.budget:g})")
     chosen = [SECTIONS[name] for name in SECTIONS if getattr(args, name)]
     if not chosen and not args.fit:   # none given = all but --fit, which trains models for minutes
         chosen = list(SECTIONS.values())

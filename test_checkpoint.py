@@ -3,6 +3,9 @@ torch, refuse what is broken.
 
     python -m pytest -n 2 test_checkpoint.py
 """
+import argparse
+import hashlib
+import json
 import os
 import pathlib
 
@@ -10,18 +13,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import helpers
 import zero
 from gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 
 
-def make(stage, bucket_numel=700, config=CONFIG, optimizer=torch.optim.AdamW, **kwargs):
+def make(stage, bucket_numel=700, config=CONFIG, optimizer=torch.optim.AdamW, groups_swapped=False, **kwargs):
     module = GPT(config, seed=1, device="meta")
     decay = [p for p in module.parameters() if p.dim() >= 2]
     rest = [p for p in module.parameters() if p.dim() < 2]
+    groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
     return zero.initialize(module, optimizer, stage=stage, bucket_numel=bucket_numel, stage3_units=module.h,
-                           param_groups=[{"params": decay}, {"params": rest, "weight_decay": 0.0}],
+                           param_groups=groups[::-1] if groups_swapped else groups,
                            init_fn=module.init_weights, lr=1e-2, **kwargs)
 
 
@@ -85,6 +90,59 @@ RESUME += [pytest.param(2, stage, {"param_dtype": dtype}, marks=pytest.mark.xdis
 def test_resume_continues_bit_for_bit(world, tmp_path, nd, stage, kwargs):
     for same_losses, differing in world(nd).run(on_rank_resume, str(tmp_path / "ckpt"), stage, kwargs):
         assert same_losses == [True] * 3 and differing == []
+
+
+def on_rank_resume_with_a_parameter_not_yet_stepped(path, stage):
+    """helpers.Net's `rarely` is unused in step 0, so AdamW has no state for it when step 1's
+    checkpoint is saved; resumed, its first step must start that state as the uninterrupted run does."""
+    symmetric = stage == 3
+    def run(model, opt, first, last):
+        losses = []
+        for step in range(first, last):
+            g = torch.Generator().manual_seed(10 * step + dist.get_rank())
+            x, y = torch.randint(0, helpers.VOCAB, (4, 5), generator=g), torch.randint(0, helpers.VOCAB, (4, 5), generator=g)
+            out = model(x, *helpers.usage(step, dist.get_rank(), symmetric))
+            loss = torch.nn.functional.cross_entropy(out.view(-1, helpers.VOCAB), y.view(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return losses
+    make_net = lambda: zero.initialize(helpers.make_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
+    model, opt = make_net()
+    run(model, opt, 0, 1)
+    zero.save_checkpoint(path, model, opt, step=1)
+    want = run(model, opt, 1, 3), full_state(model)
+    model, opt = make_net()
+    zero.load_checkpoint(path, model, opt)
+    got = run(model, opt, 1, 3), full_state(model)
+    return [bool(torch.equal(a, b)) for a, b in zip(want[0], got[0])], differences(want[1], got[1])
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_resume_when_a_parameter_had_no_optimizer_state_yet(world, tmp_path, stage):
+    for same_losses, differing in world(2).run(on_rank_resume_with_a_parameter_not_yet_stepped,
+                                               str(tmp_path / "ckpt"), stage):
+        assert same_losses == [True, True] and differing == []
+
+
+def on_rank_save_unloadable_extra(path):
+    model, opt = make(1)
+    try:
+        zero.save_checkpoint(path, model, opt, args=argparse.Namespace(lr=1e-2))
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+
+
+@pytest.mark.xdist_group("world2")
+def test_extra_that_cannot_be_loaded_back_is_refused_at_save(world, tmp_path):
+    """load_checkpoint reads with torch.load(weights_only=True): an argparse.Namespace in extra
+    would save and then never load."""
+    for error in world(2).run(on_rank_save_unloadable_extra, str(tmp_path / "ckpt")):
+        assert "extra args=Namespace could not be loaded back" in error and "vars(args)" in error, error
+    assert not (tmp_path / "ckpt").exists()
 
 
 def on_rank_rng_is_restored(path):
@@ -211,6 +269,12 @@ def damage(path, how):
         target.unlink()
     elif how == "missing manifest":
         (path / "manifest.json").unlink()
+    elif how == "unreadable rest file":  # intact by its checksum, but torch.load(weights_only=True) refuses it
+        torch.save({"extra": argparse.Namespace(step=1)}, path / "rank1.rest.pt")
+        manifest = json.loads((path / "manifest.json").read_text())
+        with open(path / "rank1.rest.pt", "rb") as f:
+            manifest["files"]["rank1.rest.pt"] = [os.path.getsize(f.name), hashlib.file_digest(f, "sha256").hexdigest()]
+        (path / "manifest.json").write_text(json.dumps(manifest))
     return str(path)
 
 
@@ -231,6 +295,8 @@ BROKEN = {
                                                         n_embd=32)}, "another model: h.2.ln_1.weight"),
     "another dtype": ({"stage": 3, "param_dtype": torch.bfloat16}, "another dtype"),
     "another optimizer": ({"stage": 3, "optimizer": torch.optim.Adam}, "another optimizer: AdamW saved, Adam here"),
+    "other param_groups": ({"stage": 3, "groups_swapped": True}, "other param_groups"),
+    "unreadable rest file": ({"stage": 3}, "rank1.rest.pt, rank0.rest.pt or scalars.pt cannot be read"),
 }
 
 

@@ -121,3 +121,27 @@ def test_resumed_data_streams_are_each_ranks_own_at_any_dp():
     first = [draw(train.data_stream(0, r, 2, 5, at_dp1)) for r in range(2)]  # load_checkpoint: rank r gets r % 1
     assert not torch.equal(first[0], first[1]), first
     assert not any(torch.equal(batch, draw(train.data_stream(0, 0, 1))) for batch in first)
+
+
+@pytest.mark.xdist_group("train")
+def test_train_with_tp_saves_each_slice_and_resumes(tmp_path):
+    """At --tp 2 each tp rank's slice of the model is a checkpoint of its own (step_N/tp0, tp1),
+    saved over its dp group; resumed, the losses are the uninterrupted run's."""
+    flags = ["--stage", "2", "--tp", "2", "--steps", "4", "--eval_every", "4", "--batch_size", "2",
+             "--seq_len", "32", "--data", os.path.join(HERE, "zero.py")]
+    whole, _ = run_train(tmp_path, 2, *flags, "--save_dir", str(tmp_path / "a"), "--save_every", "2")
+    assert all((tmp_path / "a" / "step_000002" / f"tp{t}" / "manifest.json").is_file() for t in range(2))
+    resumed, stdout = run_train(tmp_path, 2, *flags, "--save_dir", str(tmp_path / "b"),
+                                "--resume", str(tmp_path / "a" / "step_000002"))
+    assert "resumed from" in stdout
+    assert [row["loss"] for row in resumed["log"]] == [row["loss"] for row in whole["log"]][2:]
+
+
+def test_latest_checkpoint_is_the_highest_complete_step(tmp_path):
+    for done in ["step_999999", "step_1000000", "step_7/tp0", "step_7/tp1", "step_8/tp0"]:
+        (tmp_path / done).mkdir(parents=True)
+        (tmp_path / done / "manifest.json").write_text("{}")
+    (tmp_path / "step_1000001").mkdir()  # a save cut short: no manifest
+    (tmp_path / "step_1000002.partial").mkdir()
+    assert train.latest_checkpoint(tmp_path, tp=1) == tmp_path / "step_1000000"
+    assert train.latest_checkpoint(tmp_path, tp=2) == tmp_path / "step_7"  # step_8 lacks tp1

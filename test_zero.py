@@ -481,6 +481,61 @@ def test_dropping_the_model_and_optimizer_frees_everything(world, stage):
 # -----------------------------------------------------------------------------------------
 # Bad input: a clear error that names the fix
 # -----------------------------------------------------------------------------------------
+def on_rank_torch_idioms(stage):
+    """What DDP code does, carried over: each does what it does with DDP, or names the fix."""
+    symmetric, failures = stage == 3, []
+    loss_of = lambda model, step: F.cross_entropy(
+        model(batch(step)[0], *usage(step, dist.get_rank(), symmetric)).view(-1, VOCAB), batch(step)[1].view(-1))
+
+    def train(zero_grad=lambda model, opt: opt.zero_grad(), groups=None):
+        module = make_model()
+        model, opt = zero.initialize(module, torch.optim.AdamW, stage=stage, lr=1e-2,
+                                     param_groups=groups(module) if groups else None)
+        for step in range(3):
+            loss_of(model, step).backward()
+            opt.step()
+            zero_grad(model, opt)
+        return zero.full_state_dict(model)
+
+    want = train()
+    failures += compare("model.zero_grad()", train(zero_grad=lambda model, opt: model.zero_grad()), want)
+    trainable = lambda m: [p for p in m.parameters() if p.requires_grad]
+    for form, groups in {"a generator": lambda m: [{"params": (p for p in trainable(m))}],
+                         "the parameters alone": trainable,
+                         "a tensor per group": lambda m: [{"params": p} for p in trainable(m)]}.items():
+        failures += compare(f"param_groups as {form}", train(groups=groups), want)
+
+    def raises(pattern, call):
+        try:
+            call()
+            failures.append(f"no error for {pattern!r}")
+        except RuntimeError as e:
+            if pattern not in str(e):
+                failures.append(f"{pattern!r} not in {e}")
+
+    model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
+    failures += compare("clip_grad_norm_ with no gradient (torch: 0)", opt.clip_grad_norm_(1.0), torch.zeros(()))
+    loss_of(model, 0).backward()
+    opt.step()
+    raises("backward after optimizer.step() without optimizer.zero_grad()", lambda: loss_of(model, 1).backward())
+    model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
+    model.frozen.requires_grad_(True)  # frozen when initialize laid out the buffers
+    loss_of(model, 0).backward()
+    raises("['frozen.weight', 'frozen.bias'] had requires_grad=False at zero.initialize", opt.step)
+    model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2, param_dtype=torch.float16,
+                                 loss_scale=1024.0)
+    opt.backward(loss_of(model, 0) * float("inf"))
+    if opt.step() or opt.loss_scale != 1024.0:
+        failures.append(f"a static loss scale of 1024 after an overflow: {opt.loss_scale}, the step not skipped")
+    return failures
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_ddp_idioms_work_as_with_ddp_or_name_the_fix(world, stage):
+    assert world(2).run(on_rank_torch_idioms, stage) == [[], []]
+
+
 def test_initialize_before_init_process_group_says_how():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):

@@ -192,12 +192,24 @@ def data_stream(seed, dp_rank, dp, step=0, saved=None):
     return gen.manual_seed(zlib.crc32(f"{seed}:{step}:{dp_rank}".encode()))
 
 
-def latest_checkpoint(save_dir):
-    """The complete checkpoint of the highest step in save_dir (a save cut short has no manifest)."""
-    done = sorted(pathlib.Path(save_dir).glob("step_*/manifest.json"))
+def checkpoint_part(path, tp, tp_rank):
+    """Where this rank's tp slice is saved: at tp > 1 each slice of the model is a zero checkpoint
+    of its own, over its dp group, in path/tp{tp_rank}."""
+    return pathlib.Path(path) / f"tp{tp_rank}" if tp > 1 else pathlib.Path(path)
+
+
+def saved_tp(path):
+    return len(list(pathlib.Path(path).glob("tp*/manifest.json"))) or 1
+
+
+def latest_checkpoint(save_dir, tp):
+    """The highest step in save_dir whose checkpoint is complete: every tp slice's manifest
+    written (a save cut short has none)."""
+    steps = [d for d in pathlib.Path(save_dir).glob("step_*") if d.name[5:].isdigit()]
+    done = [d for d in steps if all((checkpoint_part(d, tp, t) / "manifest.json").is_file() for t in range(tp))]
     if not done:
-        raise SystemExit(f"--resume: no complete checkpoint in {save_dir}; start without --resume")
-    return done[-1].parent
+        raise SystemExit(f"--resume: no complete checkpoint saved at --tp {tp} in {save_dir}; start without --resume")
+    return max(done, key=lambda d: int(d.name[5:]))
 
 
 def main(argv=None):
@@ -245,8 +257,11 @@ def main(argv=None):
 
     gen, first = data_stream(args.seed, dp_rank, dp), 0  # each dp rank its own batches
     if args.resume:  # the model, optimizer, loss scale and RNG, then the step and the data position
-        path = latest_checkpoint(args.save_dir) if args.resume == "latest" else args.resume
-        extra = zero.load_checkpoint(path, model, optimizer)
+        path = latest_checkpoint(args.save_dir, args.tp) if args.resume == "latest" else args.resume
+        if saved_tp(path) != args.tp:  # each tp slice has its own shapes
+            raise SystemExit(f"--resume: {path} was saved with --tp {saved_tp(path)}: resume with --tp "
+                             f"{saved_tp(path)} (any number of data-parallel ranks)")
+        extra = zero.load_checkpoint(checkpoint_part(path, args.tp, dist.get_rank(tp_group)), model, optimizer)
         first = extra["step"]
         gen = data_stream(args.seed, dp_rank, dp, first, extra)
         log(f"resumed from {path} at step {first}" + ("" if extra.get("dp") == dp else
@@ -301,7 +316,8 @@ def main(argv=None):
             log(f"step {step:4d} | validation loss {val:.4f}")
         if args.save_dir and (step == args.steps - 1 or args.save_every and (step + 1) % args.save_every == 0):
             path = pathlib.Path(args.save_dir) / f"step_{step + 1:06d}"
-            zero.save_checkpoint(path, model, optimizer, step=step + 1, dp=dp, data=gen.get_state())
+            zero.save_checkpoint(checkpoint_part(path, args.tp, dist.get_rank(tp_group)), model, optimizer,
+                                 step=step + 1, dp=dp, data=gen.get_state())
             log(f"step {step:4d} | saved {path}")
 
     # a sample: every rank runs the same generation (stage 3 gathers parameters collectively,

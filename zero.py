@@ -25,10 +25,12 @@ import datetime
 import functools
 import gc
 import hashlib
+import io
 import json
 import math
 import os
 import pathlib
+import pickle
 import shutil
 import warnings
 import weakref
@@ -418,8 +420,9 @@ class ZeroOptimizer:
         self.weights = weights
         if loss_scale is None and precision.param_dtype == torch.float16:
             loss_scale = DynamicLossScale()
-        self.scaler = DynamicLossScale(init_scale=loss_scale, growth_interval=2**62) \
-            if isinstance(loss_scale, (int, float)) else loss_scale  # a number: a static scale
+        # a number: a static scale, never grown or backed off (a step that overflows is still skipped)
+        self.scaler = DynamicLossScale(init_scale=loss_scale, growth_interval=2**62, backoff_factor=1.0) \
+            if isinstance(loss_scale, (int, float)) else loss_scale
         self.loss_scale = self.scaler.init_scale if self.scaler else 1.0
         gradients.require_scaled_backward = self.scaler is not None
         self.clean_steps, self.norm_plan = 0, None
@@ -441,6 +444,11 @@ class ZeroOptimizer:
         """This rank's averaged gradient in its own space, unscaled, in the optimizer's dtype;
         and whether any rank's overflowed. Computed once per step."""
         if self.grads is None:
+            unfrozen = [self.names[p] for p in self.partition.params[self.n_trainable:] if p.requires_grad]
+            if unfrozen:
+                raise RuntimeError(f"{unfrozen[:3]} had requires_grad=False at zero.initialize, which laid out "
+                                   f"gradients and optimizer states for the trainable parameters only: set "
+                                   f"requires_grad=True before zero.initialize (freezing later works)")
             grads = self.gradients.own_grads().to(self.precision.master_dtype or self.precision.param_dtype)
             self.overflow = False
             if self.scaler:  # (reading the flag waits for the device: only with loss scaling)
@@ -468,7 +476,8 @@ class ZeroOptimizer:
             for rnd in self._norm_plan():
                 self._norms_of_round(*rnd, grads, norms, wholes, norm_type)
             dist.all_reduce(norms, group=self.partition.group)  # (n_trainable,): each found on one rank
-        total = torch.linalg.vector_norm(torch.stack([norms[i] for i in range(self.n_trainable) if used[i]]), norm_type)
+        norms = [norms[i] for i in range(self.n_trainable) if used[i]]
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else grads.new_zeros(())
         grads.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
@@ -565,6 +574,7 @@ class ZeroOptimizer:
         if self.scaler:
             self._update_loss_scale()
             if self.overflow:
+                self.gradients.stepped = True
                 return False
         used = self.gradients.used_anywhere
         for piece, w in zip(self.pieces, self.weights):
@@ -573,6 +583,7 @@ class ZeroOptimizer:
         if self.master is not None:  # fp32 master -> the 16-bit parameters
             self.parameters.copy_owned(self.owned, self.master)
         self.parameters.after_step()
+        self.gradients.stepped = True
         return True
 
     def _update_loss_scale(self):
@@ -720,6 +731,7 @@ class GradientBuckets:
         for p in self.partition.params:
             p.grad = None
         self.micro_batches, self.used_so_far, self.used_flags = 0, [False] * self.n_trainable, []
+        self.stepped = False  # set by the optimizer's step()
         self._new_backward()
 
     @property
@@ -756,6 +768,9 @@ class GradientBuckets:
             return
         if self.require_scaled_backward and not self.scaled_backward:
             raise RuntimeError("with fp16 loss scaling, call optimizer.backward(loss) instead of loss.backward()")
+        if self.stepped:  # its sum would be added to the gradients the step has used
+            raise RuntimeError("backward after optimizer.step() without optimizer.zero_grad() (or model.zero_grad()): "
+                               "zero the gradients after each step")
         Variable._execution_engine.queue_callback(self._finish_backward)
         self.in_backward = True
 
@@ -1228,6 +1243,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     each module's forward waits for its part; module.state_dict(), zero.full_state_dict(),
     optimizer.wait_params() and the next step() wait for all of it.
     """
+    param_groups = _groups(param_groups)
     _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
            loss_scale, prefetch, reduction, init_fn, optimizer_kwargs)
     params = list(module.parameters())  # unique: a tied weight is listed once
@@ -1273,8 +1289,23 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     for m in module.modules():  # loading around zero would miss the fp32 master and stage 3's shard
         m.register_load_state_dict_pre_hook(_refuse_load_state_dict)
         m._apply = functools.partial(_refuse_conversion, m)  # module.to(), .half(), .cuda(): see there
+    module.zero_grad = optimizer.zero_grad  # the gradients are zero's buffers, not p.grad
     module._zero = optimizer
     return module, optimizer
+
+
+def _groups(param_groups):
+    """param_groups in any form torch.optim takes (a group's "params" a tensor or any iterable; or
+    the parameters alone, one group) as [{"params": [...], **options}]."""
+    if param_groups is None:
+        return None
+    groups = list(param_groups)
+    if all(isinstance(g, torch.Tensor) for g in groups):
+        groups = [{"params": groups}]
+    if not all(isinstance(g, dict) and "params" in g for g in groups):
+        raise TypeError("param_groups must be [{'params': [...], **options}, ...] (or a list of parameters)")
+    return [{**g, "params": [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])}
+            for g in groups]
 
 
 def _refuse_conversion(module, fn, recurse=True):
@@ -1439,6 +1470,8 @@ def save_checkpoint(path, model, optimizer, **extra):
                 shard = torch.cat([own[part.chunk(k)] for k in buckets])
             files[f"rank{part.rank}.{key}.pt"] = shard
             _write(partial, files, f"rank{part.rank}.{key}.pt")
+        for key, value in extra.items():  # load_checkpoint reads with weights_only=True
+            _loadable(value, f"extra {key}={type(value).__name__}")
         files[f"rank{part.rank}.rest.pt"] = {"rng": torch.get_rng_state(), "extra": extra,
                                              "buffers": dict(model.named_buffers())}
         _write(partial, files, f"rank{part.rank}.rest.pt")
@@ -1459,6 +1492,18 @@ def save_checkpoint(path, model, optimizer, **extra):
         (partial / "manifest.json").write_text(json.dumps(manifest, indent=1))
         os.replace(partial, path)  # atomic: the checkpoint appears whole or not at all
     dist.barrier(group=group)
+
+
+def _loadable(value, what):
+    """Raise unless torch.load(weights_only=True) gives `value` back."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise TypeError(f"{what} could not be loaded back (load_checkpoint reads with torch.load(weights_only="
+                        f"True)): save plain values, e.g. vars(args) for an argparse.Namespace") from e
 
 
 def _write(directory, files, name):
@@ -1502,8 +1547,12 @@ def _mismatch(opt, model, manifest):
                         f"{live[0]} weights computing in {live[1]}: initialize with the checkpoint's dtypes")
     if manifest["optimizer"] != type(opt.optim).__name__:
         problems.append(f"another optimizer: {manifest['optimizer']} saved, {type(opt.optim).__name__} here")
-    if len(manifest["param_groups"]) != len(opt.optim.param_groups):
-        problems.append(f"{len(manifest['param_groups'])} param_groups saved, {len(opt.optim.param_groups)} here")
+    saved = [g["params"] for g in manifest["param_groups"]]
+    live = [[opt.names[p] for p in members] for members in opt.group_members]
+    if saved != live:
+        problems.append(f"other param_groups: {[len(g) for g in saved]} parameters per group saved (first "
+                        f"{[g[:1] for g in saved]}), {[len(g) for g in live]} here (first {[g[:1] for g in live]}): "
+                        f"build the groups as they were saved")
     return problems
 
 
@@ -1530,12 +1579,17 @@ def load_checkpoint(path, model, optimizer):
     problems = [f"{name}: {why}" for i, name in enumerate(sorted(manifest["files"])) if i % part.nd == part.rank
                 for why in [_damage(path / name, *manifest["files"][name])] if why]
     problems += _mismatch(opt, model, manifest)
+    reader = CheckpointReader(path, manifest)
+    try:  # the small files are unpickled now, so one that fails does before anything is written
+        rest, buffers, scalars = reader.rest(part.rank % manifest["nd"]), reader.rest(0)["buffers"], reader.scalars()
+    except Exception as e:
+        problems.append(f"rank{part.rank % manifest['nd']}.rest.pt, rank0.rest.pt or scalars.pt cannot be read: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0]}")
     everyone = [None] * part.nd
     dist.all_gather_object(everyone, problems, group=part.group)
     problems = sorted({p for ps in everyone for p in ps})
     if problems:
         raise CheckpointError(f"cannot load {path}: " + "; ".join(problems))
-    reader = CheckpointReader(path, manifest)
     opt.parameters.wait()
     weights = _read_own(opt, reader, "weights")
     if opt.master is not None:
@@ -1543,12 +1597,12 @@ def load_checkpoint(path, model, optimizer):
     opt.parameters.copy_owned(opt.owned, weights)
     opt.parameters.after_step(frozen_too=True)
     opt.parameters.wait()
-    scalars = reader.scalars()
     opt.optim.state.clear()
     for key in manifest["state_keys"]:  # each state one own-space tensor; the pieces' states are views of it
         own = _read_own(opt, reader, key)
         for piece, w in zip(opt.pieces, opt.weights):
-            opt.optim.state[w][key] = own[piece.own]
+            if opt.names[part.params[piece.index]] in scalars:  # only the parameters that had state
+                opt.optim.state[w][key] = own[piece.own]
     for piece, w in zip(opt.pieces, opt.weights):
         for key, value in scalars.get(opt.names[part.params[piece.index]], {}).items():
             opt.optim.state[w][key] = value.clone() if torch.is_tensor(value) else value
@@ -1556,9 +1610,8 @@ def load_checkpoint(path, model, optimizer):
         group.update({k: type(group[k])(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()
                       if k != "params"})
     opt.loss_scale, opt.clean_steps = manifest["loss_scale"], manifest["clean_steps"]
-    rest = reader.rest(part.rank % manifest["nd"])
     for name, b in model.named_buffers():
-        b.copy_(reader.rest(0)["buffers"][name])
+        b.copy_(buffers[name])
     if manifest["nd"] == part.nd:  # each rank its own random stream; at another Nd the streams differ
         torch.set_rng_state(rest["rng"])
     return rest["extra"]
