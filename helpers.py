@@ -82,3 +82,17 @@ def compare(where, got, want):
         diff = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else "shape"
         return [f"rank {dist.get_rank()} {where}: not equal (max abs diff {diff})"]
     return []
+
+
+def missed_errors(cases, errors, match=lambda pattern, text: pattern in text):
+    """cases: {pattern: call}. Each call must raise one of `errors` whose message matches
+    `pattern` (by default: contains it). Returns what missed, [] if nothing did."""
+    missed = []
+    for pattern, call in cases.items():
+        try:
+            call()
+            missed.append(f"no error for {pattern!r}")
+        except errors as e:
+            if not match(pattern, str(e)):
+                missed.append(f"{pattern!r} not in {e}")
+    return missed

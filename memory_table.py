@@ -825,10 +825,11 @@ def main(argv=None):
     fit.add_argument("--seq_len", type=int, default=FitSetting.seq_len)
     fit.add_argument("--bucket_numel", type=int, default=FitSetting.bucket_numel, help="C_B (default: train.py's)")
     args = parser.parse_args(argv)
-    for name, values in (("world", args.world), ("nd", [args.nd]), ("batch_size", [args.batch_size]),
-                         ("seq_len", [args.seq_len]), ("bucket_numel", [1 if args.bucket_numel is None else args.bucket_numel])):
-        if min(values) < 1:
-            parser.error(f"--{name} must be at least 1 (got {min(values)})")
+    for name in ("world", "nd", "batch_size", "seq_len", "bucket_numel"):
+        values = getattr(args, name)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None and value < 1:  # bucket_numel None: train.py's default
+                parser.error(f"--{name} must be at least 1 (got {value})")
     if args.budget <= 0:
         parser.error(f"--budget must be more than 0 MB (got {args.budget:g})")
     chosen = [SECTIONS[name] for name in SECTIONS if getattr(args, name)]

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import zero
 from gpt import GPT, GPTConfig, make_mesh
+from helpers import missed_errors
 
 CONFIG = GPTConfig(block_size=16, vocab_size=64, n_layer=4, n_head=4, n_embd=32)
 
@@ -106,15 +107,7 @@ def on_rank_meta_bad_inputs():
         "already initialised: drop init_fn": lambda: zero.initialize(
             nn.Linear(4, 4), torch.optim.AdamW, stage=3, init_fn=lambda m: m.reset_parameters()),
     }
-    missed = []
-    for pattern, call in cases.items():
-        try:
-            call()
-            missed.append(f"no error for: {pattern}")
-        except ValueError as e:
-            if pattern not in str(e):
-                missed.append(f"{pattern!r} not in {e}")
-    return missed
+    return missed_errors(cases, ValueError)
 
 
 @pytest.mark.xdist_group("world1")

@@ -6,6 +6,7 @@
 Every function named `on_rank_*` runs on each rank of a live gloo group (conftest.py) and
 returns a list of mismatches, empty when everything agreed.
 """
+import re
 import time
 
 import pytest
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero
-from helpers import DIM, VOCAB, compare, make_model, rank_order_hook, usage
+from helpers import DIM, VOCAB, compare, make_model, missed_errors, rank_order_hook, usage
 
 STEPS = 6
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
@@ -505,23 +506,17 @@ def on_rank_torch_idioms(stage):
                          "a tensor per group": lambda m: [{"params": p} for p in trainable(m)]}.items():
         failures += compare(f"param_groups as {form}", train(groups=groups), want)
 
-    def raises(pattern, call):
-        try:
-            call()
-            failures.append(f"no error for {pattern!r}")
-        except RuntimeError as e:
-            if pattern not in str(e):
-                failures.append(f"{pattern!r} not in {e}")
-
     model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
     failures += compare("clip_grad_norm_ with no gradient (torch: 0)", opt.clip_grad_norm_(1.0), torch.zeros(()))
     loss_of(model, 0).backward()
     opt.step()
-    raises("backward after optimizer.step() without optimizer.zero_grad()", lambda: loss_of(model, 1).backward())
+    failures += missed_errors({"backward after optimizer.step() without optimizer.zero_grad()":
+                               lambda: loss_of(model, 1).backward()}, RuntimeError)
     model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
     model.frozen.requires_grad_(True)  # frozen when initialize laid out the buffers
     loss_of(model, 0).backward()
-    raises("['frozen.weight', 'frozen.bias'] had requires_grad=False at zero.initialize", opt.step)
+    failures += missed_errors({"['frozen.weight', 'frozen.bias'] had requires_grad=False at zero.initialize": opt.step},
+                              RuntimeError)
     model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2, param_dtype=torch.float16,
                                  loss_scale=1024.0)
     opt.backward(loss_of(model, 0) * float("inf"))
@@ -560,16 +555,7 @@ def on_rank_bad_inputs():
         "already sharded by zero.initialize: keep the model": lambda: zero.initialize(
             zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=3)[0], torch.optim.AdamW, stage=1),
     }
-    failures = []
-    for pattern, call in cases.items():
-        try:
-            call()
-            failures.append(f"no error for {pattern!r}")
-        except (TypeError, ValueError, RuntimeError) as e:
-            import re
-            if not re.search(pattern, str(e)):
-                failures.append(f"{pattern!r} not in {e}")
-    return failures
+    return missed_errors(cases, (TypeError, ValueError, RuntimeError), match=re.search)
 
 
 def _with_int_param():

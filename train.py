@@ -222,7 +222,7 @@ def main(argv=None):
                          f"{{{', '.join(str(d) for d in range(1, world + 1) if world % d == 0)}}}")
     dp = world // args.tp
     dp_group, tp_group = make_mesh(dp, args.tp, device.type)
-    dp_rank = dist.get_rank(dp_group)
+    dp_rank, tp_rank = dist.get_rank(dp_group), dist.get_rank(tp_group)
     log = print if rank == 0 else (lambda *a, **k: None)
 
     # data: the same bytes on every rank; 90% train, 10% validation
@@ -258,10 +258,11 @@ def main(argv=None):
     gen, first = data_stream(args.seed, dp_rank, dp), 0  # each dp rank its own batches
     if args.resume:  # the model, optimizer, loss scale and RNG, then the step and the data position
         path = latest_checkpoint(args.save_dir, args.tp) if args.resume == "latest" else args.resume
-        if saved_tp(path) != args.tp:  # each tp slice has its own shapes
-            raise SystemExit(f"--resume: {path} was saved with --tp {saved_tp(path)}: resume with --tp "
-                             f"{saved_tp(path)} (any number of data-parallel ranks)")
-        extra = zero.load_checkpoint(checkpoint_part(path, args.tp, dist.get_rank(tp_group)), model, optimizer)
+        tp_saved = saved_tp(path)
+        if tp_saved != args.tp:  # each tp slice has its own shapes
+            raise SystemExit(f"--resume: {path} was saved with --tp {tp_saved}: resume with --tp {tp_saved} "
+                             f"(any number of data-parallel ranks)")
+        extra = zero.load_checkpoint(checkpoint_part(path, args.tp, tp_rank), model, optimizer)
         first = extra["step"]
         gen = data_stream(args.seed, dp_rank, dp, first, extra)
         log(f"resumed from {path} at step {first}" + ("" if extra.get("dp") == dp else
@@ -316,7 +317,7 @@ def main(argv=None):
             log(f"step {step:4d} | validation loss {val:.4f}")
         if args.save_dir and (step == args.steps - 1 or args.save_every and (step + 1) % args.save_every == 0):
             path = pathlib.Path(args.save_dir) / f"step_{step + 1:06d}"
-            zero.save_checkpoint(checkpoint_part(path, args.tp, dist.get_rank(tp_group)), model, optimizer,
+            zero.save_checkpoint(checkpoint_part(path, args.tp, tp_rank), model, optimizer,
                                  step=step + 1, dp=dp, data=gen.get_state())
             log(f"step {step:4d} | saved {path}")
 

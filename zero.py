@@ -571,10 +571,10 @@ class ZeroOptimizer:
         loss scaling found an overflow and skipped the step on every rank."""
         self.parameters.wait()  # stages 1-2: last step's all-gather, if no forward waited for it
         grads = self._grads()
+        self.gradients.stepped = True  # this step's gradients are used: the next backward needs zero_grad()
         if self.scaler:
             self._update_loss_scale()
             if self.overflow:
-                self.gradients.stepped = True
                 return False
         used = self.gradients.used_anywhere
         for piece, w in zip(self.pieces, self.weights):
@@ -583,7 +583,6 @@ class ZeroOptimizer:
         if self.master is not None:  # fp32 master -> the 16-bit parameters
             self.parameters.copy_owned(self.owned, self.master)
         self.parameters.after_step()
-        self.gradients.stepped = True
         return True
 
     def _update_loss_scale(self):
