@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import zero
 from gpt import (GPT, PRESETS, ColumnParallelLinear, GPTConfig, RowParallelLinear,
                  VocabParallelEmbedding, load_full_, make_mesh, num_params, vocab_parallel_cross_entropy)
 
@@ -251,6 +252,55 @@ def test_gpt_generates_the_same_tokens_on_every_tp_rank_as_tp1(world, tp):
         assert torch.equal(greedy, ref_greedy), f"rank {r} greedy {greedy.tolist()} vs tp=1 {ref_greedy.tolist()}"
         assert torch.equal(sampled, results[0][1]), f"rank {r} sampled {sampled.tolist()} vs rank 0"
 
+
+def _zero_at_tp_clips_by_the_whole_models_norm(tp, stage):
+    dp_group, tp_group = make_mesh(dp=1, tp=tp)
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=64)
+    ref = GPT(config, seed=3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt = zero.initialize(GPT(config, tp_group=tp_group, seed=3), torch.optim.AdamW, stage=stage,
+                                 group=dp_group, tp_group=tp_group, lr=1e-2)
+    idx, targets = _batch()
+    norms = []
+    for step in range(3):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(idx, targets)[1].backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05) if m is ref else o.clip_grad_norm_(0.05))
+            o.step()
+            o.zero_grad()
+    print(f"rank {dist.get_rank()}: norms {[f'{n.item():.7f}' for n in norms]} (tp=1, tp={tp}) by step")
+    # the first step's gradients agree with tp=1 to 3e-7 (test above); their norm sums slices'
+    # squares in another order: seen 1 ulp of ~2.9
+    _close("first step's norm", norms[1], norms[0], rtol=5e-7, atol=0)
+    state = zero.full_state_dict(model)
+    return norms[1::2], {n: state[n] for n, p in model.named_parameters() if not hasattr(p, "tensor_model_parallel")}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_at_tp_clips_by_the_whole_models_norm(world, stage):
+    """Each tp rank holds a slice of the split weights: clipping by the slice's norm alone
+    would scale each tp rank's step differently, and the replicated weights would drift apart."""
+    results = _on_ranks(world, 2, _zero_at_tp_clips_by_the_whole_models_norm, stage)
+    (norms0, replicated0), (norms1, replicated1) = results
+    assert all(torch.equal(a, b) for a, b in zip(norms0, norms1)), f"norms differ: {norms0} vs {norms1}"
+    for name, value in replicated0.items():
+        assert torch.equal(value, replicated1[name]), f"{name} differs between the tp ranks after 3 clipped steps"
+
+
+
+def _fp16_overflow_on_one_tp_rank(tp):
+    dp_group, tp_group = make_mesh(dp=1, tp=tp)
+    torch.manual_seed(0)
+    model, opt = zero.initialize(nn.Linear(8, 8), torch.optim.SGD, stage=1, group=dp_group, tp_group=tp_group,
+                                 param_dtype=torch.float16, loss_scale=1024.0, lr=0.1)
+    loss = model(torch.ones(2, 8, dtype=torch.float16)).float().sum()
+    opt.backward(loss * (math.inf if dist.get_rank(tp_group) == 1 else 1.0))  # only tp rank 1 overflows
+    return opt.step()
+
+
+def test_fp16_overflow_on_one_tp_rank_skips_the_step_on_every_tp_rank(world):
+    stepped = _on_ranks(world, 2, _fp16_overflow_on_one_tp_rank)
+    assert stepped == [False, False], f"step() returned {stepped} on the tp ranks"
 
 # ---------------------------------------------------------------------------
 # One process, meta builds and parameter counts

@@ -548,6 +548,8 @@ def on_rank_bad_inputs():
             _with_int_param(), torch.optim.AdamW, stage=1),
         "group must be a torch.distributed.ProcessGroup": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.AdamW, stage=1, group="dp"),
+        "tp_group must be a torch.distributed.ProcessGroup": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.AdamW, stage=1, tp_group=2),
         "prefetch must be 0 \\(off\\) or more": lambda: zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=3,
                                                                     prefetch=-1),
         "param_groups leaves out trainable parameters": lambda: (lambda m: zero.initialize(

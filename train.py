@@ -250,7 +250,7 @@ def main(argv=None):
                                        param_groups=[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
                                        param_dtype=getattr(torch, args.dtype), bucket_numel=args.bucket_numel,
                                        stage3_units=model.h,  # stage 3 gathers a block's parameters at once
-                                       init_fn=model.init_weights, device=device,
+                                       init_fn=model.init_weights, device=device, tp_group=tp_group,
                                        lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     log(f"{backend} on {device.type} | world {world} = dp {dp} x tp {args.tp} | ZeRO stage {args.stage} | {args.dtype} | "
         f"model {args.model}: {num_params(config) / 1e6:.2f}M parameters | corpus {len(data) / 1e6:.1f} MB")

@@ -372,8 +372,9 @@ class ZeroOptimizer:
     torch LR scheduler."""
 
     def __init__(self, module, partition, parameters, gradients, owned, precision, loss_scale, start,
-                 optimizer_class, param_groups, optimizer_kwargs):
+                 optimizer_class, param_groups, optimizer_kwargs, tp_group):
         self.module, self.partition, self.parameters, self.gradients = module, partition, parameters, gradients
+        self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         self.owned, self.precision = owned, precision  # owned: per bucket, (flat slice, own slice)
         self.own_numel = sum(o.stop - o.start for f, o in owned)
         self.n_trainable = sum(p.requires_grad for p in partition.params)
@@ -454,6 +455,8 @@ class ZeroOptimizer:
             if self.scaler:  # (reading the flag waits for the device: only with loss scaling)
                 found_inf = (~grads.isfinite()).any().float()
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.partition.group)  # any rank's
+                if self.tp_group:  # and any tp slice's: every tp rank skips the same steps
+                    dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.tp_group)
                 grads.div_(self.loss_scale)
                 self.overflow = bool(found_inf)
             self.grads = grads
@@ -464,7 +467,8 @@ class ZeroOptimizer:
         every gradient times min(1, max_norm / (norm + 1e-6)). torch's norm of a tensor sums in an
         order that depends on its length, so a gradient split over ranks is sent whole to one
         "norm rank" (chosen to balance the bytes): each rank sends about Ψ/Nd elements a step, in
-        rounds of at most a bucket. Returns the total norm."""
+        rounds of at most a bucket. With a tp_group, the norm is the whole model's (Megatron's rule):
+        the split parameters' norms from every tp rank, the replicated ones once. Returns the total norm."""
         grads, used = self._grads(), self.gradients.used_anywhere
         norms = torch.zeros(self.n_trainable, dtype=grads.dtype, device=grads.device)
         if self.own_numel == self.partition.padded_numel:  # every gradient is whole here (stage 0, Nd 1)
@@ -478,8 +482,25 @@ class ZeroOptimizer:
             dist.all_reduce(norms, group=self.partition.group)  # (n_trainable,): each found on one rank
         norms = [norms[i] for i in range(self.n_trainable) if used[i]]
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else grads.new_zeros(())
+        if self.tp_group:
+            total = self._tp_norm(norms, norm_type)
         grads.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
+
+    def _tp_norm(self, norms, norm_type):
+        """The norm over every tp rank's slices: split parameters count on every tp rank,
+        replicated ones on tp rank 0 only; one all-reduce of a scalar over the tp group."""
+        first = dist.get_rank(self.tp_group) == 0
+        used = [p for i, p in enumerate(self.partition.params[:self.n_trainable]) if self.gradients.used_anywhere[i]]
+        mine = [n for n, p in zip(norms, used) if getattr(p, "tensor_model_parallel", False) or first]
+        mine = torch.stack(mine) if mine else self.grads.new_zeros(1)
+        if norm_type == math.inf:
+            part = mine.max()
+            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=self.tp_group)
+            return part
+        part = (mine ** norm_type).sum()
+        dist.all_reduce(part, group=self.tp_group)
+        return part ** (1.0 / norm_type)
 
     def _norm_plan(self):
         """Rounds of transfers that bring each gradient whole to its norm rank (the rank holding
@@ -1219,7 +1240,7 @@ def checkpoint_activations(blocks, tp_group=None, partition=False, cpu=False, co
 #   stage 3  ShardedParameters (gathers per module)  GradientBuckets(reduced chunks only)  owns its chunks
 def initialize(module, optimizer_class, stage, group=None, param_groups=None, bucket_numel=None,
                param_dtype=None, reduce_dtype=None, loss_scale=None, stage3_units=None, prefetch=1,
-               reduction="exact", check_timeout=60, init_fn=None, device=None, **optimizer_kwargs):
+               reduction="exact", check_timeout=60, init_fn=None, device=None, tp_group=None, **optimizer_kwargs):
     """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world).
     Returns (module, optimizer): the same module, sharded and hooked, and the optimizer to step.
     Every rank starts from rank 0's weights (docs/api.md has the long form of every argument).
@@ -1237,6 +1258,9 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         call optimizer.backward(loss).
     stage3_units, prefetch, check_timeout: modules whose parameters stage 3 gathers together;
         how many largest units' worth it gathers ahead; how long a rank waits at a gather.
+    tp_group: the tensor-parallel group of a module whose split parameters carry Megatron's
+        `tensor_model_parallel` attribute (gpt.py's): the gradient norm and fp16 overflow are
+        then the whole model's, the same on every tp rank.
 
     At stages 1-2, step() returns with the all-gather of the updated parameters in flight:
     each module's forward waits for its part; module.state_dict(), zero.full_state_dict(),
@@ -1244,7 +1268,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     """
     param_groups = _groups(param_groups)
     _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
-           loss_scale, prefetch, reduction, init_fn, optimizer_kwargs)
+           loss_scale, prefetch, reduction, init_fn, tp_group, optimizer_kwargs)
     params = list(module.parameters())  # unique: a tied weight is listed once
     params = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
     precision = Precision(param_dtype or params[0].dtype, reduce_dtype or param_dtype or params[0].dtype)
@@ -1281,7 +1305,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     owned = [(partition.flat_range(k), partition.flat_range(k)) for k in buckets] if stage == 0 else \
         [(partition.chunk(k), partition.own(k)) for k in buckets]
     optimizer = ZeroOptimizer(module, partition, parameters, gradients, owned, precision, loss_scale, start,
-                              optimizer_class, param_groups, optimizer_kwargs)
+                              optimizer_class, param_groups, optimizer_kwargs, tp_group)
     buffers = list(module.buffers())
     if buffers and partition.nd > 1:
         module.register_forward_pre_hook(functools.partial(_broadcast_buffers, buffers, group))
@@ -1330,16 +1354,17 @@ def _refuse_load_state_dict(*args):
 
 
 def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
-           loss_scale, prefetch, reduction, init_fn, optimizer_kwargs):
+           loss_scale, prefetch, reduction, init_fn, tp_group, optimizer_kwargs):
     """Bad input: a clear error that names the fix."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("zero.initialize needs a process group: call torch.distributed.init_process_group"
                            "('gloo' on CPU, 'nccl' on GPU) first, or run under torchrun")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3 (got {stage!r})")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None for the world "
-                        f"(got {type(group).__name__}); make one with dist.new_group(ranks) or a DeviceMesh")
+    for name, g in (("group", group), ("tp_group", tp_group)):
+        if g is not None and not isinstance(g, dist.ProcessGroup):
+            raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None (got {type(g).__name__}); "
+                            f"make one with dist.new_group(ranks) or a DeviceMesh")
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module (got {type(module).__name__})")
     if any(getattr(m.__dict__.get("_apply"), "func", None) is _refuse_conversion for m in module.modules()):
