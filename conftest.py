@@ -4,11 +4,13 @@ Spawning ranks costs about 2.4 s at 2 ranks and 12.5 s at 8 here, so every test 
 Nd ranks borrows the same pool: `world(nd).run(fn, *args)` runs the module-level function
 `fn(*args)` on every rank of an initialised gloo process group and returns the Nd results in
 rank order. An exception on any rank fails the test with that rank's traceback; a rank that
-hangs (a collective some ranks never joined) fails it after `timeout` seconds and the pool is
-replaced.
+dies fails it at once, and one that hangs (a collective some ranks never joined) after
+`timeout` seconds; then the pool is replaced.
 """
 import datetime
 import os
+import queue
+import time
 import traceback
 
 import pytest
@@ -47,19 +49,23 @@ class World:
     def run(self, fn, *args, timeout=600):
         for q in self.inboxes:
             q.put((fn, args))
-        results, errors = [None] * self.nd, []
-        try:
-            for _ in range(self.nd):
-                # once a rank has failed, the others may wait in a collective it never joined
-                rank, ok, value = self.outbox.get(timeout=20 if errors else timeout)
-                results[rank] = value
-                if not ok:
-                    errors.append(f"rank {rank}:\n{value}")
-        except Exception:  # queue.Empty: some rank is stuck
-            self.broken = True
-            if errors:
-                raise AssertionError("\n".join(errors + ["(the other ranks did not finish)"]))
-            raise RuntimeError(f"{fn.__name__} timed out after {timeout}s on world size {self.nd}")
+        results, errors, done = [None] * self.nd, [], 0
+        deadline = time.monotonic() + timeout
+        while done < self.nd:
+            try:
+                rank, ok, value = self.outbox.get(timeout=1)
+            except queue.Empty:
+                dead = [f"rank {r} died (exit code {p.exitcode})" for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:  # a crashed rank, or one stuck in a collective
+                    self.broken = True
+                    raise AssertionError("\n".join(errors + dead + [
+                        f"{fn.__name__}: {self.nd - done} of {self.nd} ranks did not finish"]))
+                continue
+            results[rank], done = value, done + 1
+            if not ok:
+                errors.append(f"rank {rank}:\n{value}")
+                # the others may wait in a collective the failed rank never joined
+                deadline = min(deadline, time.monotonic() + 20)
         if errors:
             # the ranks that did not fail may be out of step with the failed one: start afresh
             self.broken = True

@@ -134,3 +134,44 @@ def on_rank_torch_layers_init_from_meta():
 @pytest.mark.xdist_group("world2")
 def test_torch_layers_initialise_from_meta_with_reset_parameters(world):
     assert world(2).run(on_rank_torch_layers_init_from_meta) == [True, True]
+
+
+class TiedWithBias(nn.Module):
+    """The output layer's weight is the embedding's, and the output layer has a bias of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid, self.head = nn.Embedding(11, 6), nn.Linear(6, 6), nn.Linear(6, 11)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.mid(self.emb(x)))
+
+
+def on_rank_tied_weight_in_a_module_with_its_own_bias(stage, bucket_numel):
+    with torch.device("meta"):
+        module = TiedWithBias()
+    fills = {module.emb: 1.0, module.mid: 2.0, module.head: 3.0}
+
+    @torch.no_grad()
+    def init_fn(m):
+        for p in m.parameters(recurse=False):
+            p.fill_(fills[m])
+
+    model, opt = zero.initialize(module, torch.optim.SGD, stage=stage, bucket_numel=bucket_numel, init_fn=init_fn,
+                                 lr=0.1)
+    before = {name: t.unique().tolist() for name, t in zero.full_state_dict(model).items()}
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+    return before
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage, bucket_numel", [(1, 8), (3, None)])
+def test_tied_weight_keeps_its_first_modules_init_when_the_second_module_has_its_own_parameters(
+        world, stage, bucket_numel):
+    """init_fn(head) fills head's bias and would write the tied weight too: the weight keeps the
+    embedding's values (as when the tie is made after building both), and the embedding's
+    storage, freed once its bucket is copied out, is never written."""
+    expected = {"emb.weight": [1.0], "mid.weight": [2.0], "mid.bias": [2.0], "head.weight": [1.0], "head.bias": [3.0]}
+    assert world(2).run(on_rank_tied_weight_in_a_module_with_its_own_bias, stage, bucket_numel) == [expected] * 2

@@ -345,12 +345,22 @@ class MetaInit:
         return values
 
     def _materialize(self, m):
-        """Storage for m's own parameters, then init_fn(m) fills them."""
-        for p in m.parameters(recurse=False):
+        """Storage for m's own parameters, then init_fn(m) fills them. A parameter m shares with
+        an earlier module (a tied weight) keeps that module's values, as when the tie is made
+        after both modules are built: init_fn(m) writes a scratch copy of it, dropped after."""
+        shared = {}
+        for name, p in m.named_parameters(recurse=False):
             if self.owner[p] is m:
                 p.untyped_storage().resize_(p.numel() * p.element_size())
+            else:
+                shared[name] = p
+                scratch = torch.nn.Parameter(torch.empty_like(p), p.requires_grad)
+                scratch.__dict__.update(p.__dict__)
+                setattr(m, name, scratch)
         self.materialized.add(m)
         self.init_fn(m)
+        for name, p in shared.items():
+            setattr(m, name, p)
 
 
 # -----------------------------------------------------------------------------------------
