@@ -87,6 +87,40 @@ def test_partitioned_checkpoints_are_one_tp_th_of_full_ones(world):
     assert kept["none"] > 2 * kept["full"], kept
 
 
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+def on_rank_stage3_gathered_bytes_at_the_end_of_recomputed_backward(units):
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Residual() for _ in range(8))
+    zero.checkpoint_activations(blocks)
+    model, opt = zero.initialize(nn.Sequential(*blocks), torch.optim.SGD, stage=3, bucket_numel=1024,
+                                 stage3_units=blocks if units else None, lr=0.1)
+    x = torch.randn(4, 64, requires_grad=True)
+    seen = []  # when backward reaches the input, every block is done
+    x.register_hook(lambda grad: seen.append(zero.model_state_bytes(model)))
+    model(x).sum().backward()
+    held = zero.model_state_bytes(model)  # once backward ends: the shard and its gradient
+    return seen[0] - held, sum(p.numel() for p in blocks[0].parameters()) * 4
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("units", [False, True], ids=["module_by_module", "block_units"])
+def test_stage3_recomputation_in_backward_gathers_no_finished_block(world, units):
+    """A block recomputed in backward runs its modules' forwards again: they gather what they
+    use, and nothing ahead in forward order, which backward has finished. Gathered parameter
+    bytes stay within one block of 8, whatever the depth."""
+    for extra, block in world(2).run(on_rank_stage3_gathered_bytes_at_the_end_of_recomputed_backward, units):
+        print(f"gathered at backward's end: {extra} B (one block: {block} B)")
+        assert extra <= block
+
+
 # -----------------------------------------------------------------------------------------
 # C_B: every buffer zero hands a collective is bounded by the bucket size, whatever Ψ
 # -----------------------------------------------------------------------------------------

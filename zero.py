@@ -1122,7 +1122,8 @@ class ShardedParameters:
         if not self.order_known and id(gids) not in self.unit_position:
             self.unit_position[id(gids)] = len(self.unit_order)
             self.unit_order.append(gids)
-        self._prefetch(gids, +1)
+        if not self.gradients.in_backward:  # a forward recomputed in backward (P_a): the next units are done
+            self._prefetch(gids, +1)
 
     def _release(self, gids):
         for g in gids:
