@@ -247,6 +247,52 @@ def test_consolidated_checkpoint_steps_like_zero_in_plain_torch(world, tmp_path,
     assert differences(want, {k: v.float() for k, v in got.items()}) == []
 
 
+class WithAux(torch.nn.Module):
+    """A branch an evaluation leaves out, a non-persistent buffer (like a RoPE cache), and a
+    persistent one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.aux = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+        self.register_buffer("scale", torch.full((64,), 1 / 3))
+        self.register_buffer("cache", torch.arange(64.0), persistent=False)
+
+    def forward(self, x, aux=True):
+        x = self.lin(x) * self.scale + self.cache
+        return self.aux(x) if aux else x
+
+
+def on_rank_evaluate_then_load(path, stage):
+    torch.manual_seed(0)
+    model, opt = zero.initialize(WithAux(), torch.optim.AdamW, stage=stage, lr=torch.tensor(0.01))  # a tensor lr
+    step = lambda: (model(torch.randn(2, 64)).pow(2).mean().backward(), opt.step(), opt.zero_grad())
+    step()
+    zero.save_checkpoint(path, model, opt)
+    want = zero.full_state_dict(model)
+    step()
+    held = zero.model_state_bytes(model)
+    with torch.no_grad():
+        model(torch.randn(2, 64), aux=False)  # stage 3: aux was prefetched, and is not used
+    left = zero.model_state_bytes(model) - held
+    opt.param_groups[0]["lr"] = torch.tensor(0.5)
+    zero.load_checkpoint(path, model, opt)
+    plain = WithAux()
+    plain.load_state_dict(zero.consolidate(path)["model"])  # strict: no non-persistent buffer in it
+    with torch.no_grad():  # the loaded weights, not a copy gathered before the load
+        same = torch.equal(model(torch.ones(2, 64)), plain(torch.ones(2, 64)))
+    return left, same, differences(want, plain.state_dict()), opt.param_groups[0]["lr"]
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_load_after_an_evaluation_that_skipped_a_module(world, tmp_path, stage):
+    for left, same, differ, lr in world(2).run(on_rank_evaluate_then_load, str(tmp_path / "ckpt"), stage):
+        assert left == 0, f"{left} B still gathered after an evaluation that skipped a module"
+        assert differ == [], f"consolidated state differs from the saved model's: {differ}"
+        assert same, "the forward after load_checkpoint used other weights than the checkpoint's"
+        assert torch.is_tensor(lr) and torch.equal(lr, torch.tensor(0.01)), f"lr after load: {lr!r}"
+
+
 # -----------------------------------------------------------------------------------------
 # Refuse what is broken: a clear error, and the live model untouched
 # -----------------------------------------------------------------------------------------

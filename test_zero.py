@@ -479,6 +479,59 @@ def test_dropping_the_model_and_optimizer_frees_everything(world, stage):
         assert results["zero"] == (True, 0), results
 
 
+def on_rank_module_reads_a_childs_parameters(stage):
+    """nn.MultiheadAttention's forward reads out_proj.weight without calling out_proj."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(256, 256), nn.TransformerEncoderLayer(256, 4, 512, dropout=0.0, batch_first=True),
+                           nn.Linear(256, 1))
+    model, opt = zero.initialize(module, torch.optim.SGD, stage=stage, bucket_numel=4096, lr=0.05)
+    losses, stale = [], []
+    for step in range(4):
+        x = torch.randn(2, 8, 256, generator=torch.Generator().manual_seed(1000 * step + dist.get_rank()))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        block = {k: v.clone() for k, v in model[1].state_dict().items()}  # a submodule's: "save the backbone"
+        opt.wait_params()
+        stale += [f"step {step}: {k}" for k, v in model[1].state_dict().items() if not torch.equal(v, block[k])]
+        losses.append(loss.detach())
+    return losses, stale
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_module_that_reads_its_childs_parameters_waits_for_them(world, stage):
+    """Each module waits for the parameters it reads, its own and those of children whose
+    forward it does not call, and a submodule's state_dict() waits too: losses equal stage 0's."""
+    want = world(2).run(on_rank_module_reads_a_childs_parameters, 0)
+    got = world(2).run(on_rank_module_reads_a_childs_parameters, stage)
+    for rank, ((losses, stale), (want_losses, _)) in enumerate(zip(got, want)):
+        assert stale == [], f"rank {rank}: a submodule's state_dict() read before the all-gather ended: {stale}"
+        assert all(map(torch.equal, losses, want_losses)), f"rank {rank}: losses {losses}, stage 0 {want_losses}"
+
+
+def on_rank_evaluation_after_training(stage):
+    torch.manual_seed(0)
+    model, opt = zero.initialize(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)), torch.optim.SGD,
+                                 stage=stage, lr=0.1)
+    for step in range(2):  # each rank's own batch: its running statistics move its own way
+        model(torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        return model(torch.ones(2, 4))
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_evaluation_after_training_sees_rank_0s_buffers_as_with_ddp(world, stage):
+    """DDP broadcasts the buffers at a training forward and at the first forward after one."""
+    out = world(2).run(on_rank_evaluation_after_training, stage)
+    assert torch.equal(out[0], out[1]), f"eval outputs differ between ranks: {out}"
+
+
 # -----------------------------------------------------------------------------------------
 # Bad input: a clear error that names the fix
 # -----------------------------------------------------------------------------------------

@@ -876,19 +876,39 @@ def _call_weakly(method, *args):
 # -----------------------------------------------------------------------------------------
 # Stages 0-2 keep every parameter, each a view into one flat buffer (padded_numel,). After the
 # step (5.1), stages 1-2 all-gather each bucket's updated chunks in place, left in flight: each
-# module's next forward waits for the buckets that cover its parameters.
+# module's next forward waits for the buckets that cover the parameters it reads.
 class FlatParameters:
     def __init__(self, partition, module, dtype, gather_after_step):
         self.partition, self.gather_after_step = partition, gather_after_step
         self.flat = torch.zeros(partition.padded_numel, dtype=dtype, device=partition.device)
         self.in_flight = []  # (flat start, work) of the all-gathers step() left in flight
+        self.ran, self.ends = set(), None  # the first forward's modules; then each one's wait point
         if gather_after_step:
             for m in module.modules():
-                own = list(m.parameters(recurse=False))
-                if own:
-                    end = max(partition.offsets[partition.index[p]] + p.numel() for p in own)
-                    m.register_forward_pre_hook(lambda mod, args, end=end: self.wait(end))
-            module.register_state_dict_pre_hook(lambda *args: self.wait())
+                m.register_forward_pre_hook(lambda mod, args: self._pre_forward(mod))
+                m.register_state_dict_pre_hook(lambda *args: self.wait())
+            module.register_forward_hook(lambda mod, args, out: self._learn_ends())
+
+    def _pre_forward(self, m):
+        if self.ends is None:  # the first forward waits for everything and notes which modules run
+            self.ran.add(m)
+            self.wait()
+        else:
+            self.wait(self.ends.get(m, 0))
+
+    def _learn_ends(self):
+        """Each module's wait point: the end of its own parameters and of those of children whose
+        forward did not run in the first forward, which it reads itself (nn.MultiheadAttention
+        reads out_proj.weight without calling out_proj)."""
+        if self.ends is not None:
+            return
+        part = self.partition
+
+        def end(m):
+            own = [part.offsets[part.index[p]] + p.numel() for p in m.parameters(recurse=False)]
+            return max(own + [end(c) for c in m.children() if c not in self.ran], default=0)
+
+        self.ends = {m: end(m) for m in self.ran}
 
     def load(self, k, values):
         self.flat[self.partition.flat_range(k)].copy_(values)
@@ -1029,7 +1049,10 @@ class ShardedParameters:
         return self.shard[self.partition.own(k)]
 
     def after_step(self, frozen_too=False):
-        pass  # nothing to gather now: the next forward gathers what it uses
+        """The shard changed (a step, a loaded checkpoint): no gathered copy may outlive it."""
+        self._finish_prefetch()
+        for buf in self.buffers:
+            self._free(buf)
 
     def wait(self):
         pass
@@ -1111,8 +1134,10 @@ class ShardedParameters:
             budget -= self._gather(self.unit_order[k], prefetch=True)
 
     def _end_forward(self):
+        """Free what no module holds: the shared groups, and groups prefetched for a module
+        this forward skipped (an evaluation that leaves out a branch)."""
         self._finish_prefetch()
-        self._release(self.shared)
+        self._release(range(len(self.groups)) if not self.gradients.in_backward else self.shared)
         self.order_known = True  # the units' order, from the first forward
 
     def _pre_forward(self, gids):
@@ -1160,11 +1185,13 @@ class ShardedParameters:
 
 
 # -----------------------------------------------------------------------------------------
-# Buffers follow rank 0 at every training forward, as in DDP (broadcast_buffers=True).
-def _broadcast_buffers(buffers, group, module, args):
-    if torch.is_grad_enabled():
+# Buffers follow rank 0 as in DDP (broadcast_buffers=True): at every training forward, and at
+# the first forward after one, so an evaluation after training sees rank 0's running statistics.
+def _broadcast_buffers(buffers, group, after_training, module, args):
+    if torch.is_grad_enabled() or after_training[0]:
         for b in buffers:
             dist.broadcast(b, group_src=0, group=group)
+    after_training[0] = torch.is_grad_enabled()
 
 
 # -----------------------------------------------------------------------------------------
@@ -1319,7 +1346,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
                               optimizer_class, param_groups, optimizer_kwargs, tp_group)
     buffers = list(module.buffers())
     if buffers and partition.nd > 1:
-        module.register_forward_pre_hook(functools.partial(_broadcast_buffers, buffers, group))
+        module.register_forward_pre_hook(functools.partial(_broadcast_buffers, buffers, group, [False]))
     for m in module.modules():  # loading around zero would miss the fp32 master and stage 3's shard
         m.register_load_state_dict_pre_hook(_refuse_load_state_dict)
         m._apply = functools.partial(_refuse_conversion, m)  # module.to(), .half(), .cuda(): see there
@@ -1507,12 +1534,16 @@ def save_checkpoint(path, model, optimizer, **extra):
             _write(partial, files, f"rank{part.rank}.{key}.pt")
         for key, value in extra.items():  # load_checkpoint reads with weights_only=True
             _loadable(value, f"extra {key}={type(value).__name__}")
+        in_state_dict = model.state_dict(keep_vars=True)  # not a non-persistent buffer (e.g. a RoPE cache)
         files[f"rank{part.rank}.rest.pt"] = {"rng": torch.get_rng_state(), "extra": extra,
-                                             "buffers": dict(model.named_buffers())}
+                                             "buffers": dict(model.named_buffers()),
+                                             "persistent": [n for n, _ in model.named_buffers() if n in in_state_dict]}
         _write(partial, files, f"rank{part.rank}.rest.pt")
         if part.rank == 0:  # every parameter's scalar states (AdamW's step), one file for all
             files["scalars.pt"] = scalars
             _write(partial, files, "scalars.pt")
+            manifest = _layout(opt, model)
+            json.dumps(manifest)  # an option JSON cannot hold fails here, on every rank, not after the gather
     except Exception as e:  # every rank learns of it: none may wait for a rank that failed
         error = f"rank {part.rank}: {type(e).__name__}: {e}"
     everyone = [None] * part.nd
@@ -1521,7 +1552,6 @@ def save_checkpoint(path, model, optimizer, **extra):
         raise RuntimeError(f"saving {path} failed, the checkpoint was not written: "
                            f"{'; '.join(err for err, _ in everyone if err)}")
     if part.rank == 0:
-        manifest = _layout(opt, model)
         manifest.update(format=FORMAT, torch=torch.__version__, nd=part.nd, state_keys=keys,
                         files={name: digest for _, f in everyone for name, digest in f.items()})
         (partial / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -1563,7 +1593,8 @@ def _layout(opt, model):
         dtype=str(opt.weights_dtype).removeprefix("torch."),  # of the weights and the states
         param_dtype=str(opt.precision.param_dtype).removeprefix("torch."),
         optimizer=type(opt.optim).__name__,
-        param_groups=[{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in members]}
+        param_groups=[{**{k: v.tolist() if torch.is_tensor(v) else v for k, v in g.items() if k != "params"},
+                       "params": [names[p] for p in members]}
                       for g, members in zip(opt.optim.param_groups, opt.group_members)],
         loss_scale=opt.loss_scale, clean_steps=opt.clean_steps)
 
@@ -1642,14 +1673,22 @@ def load_checkpoint(path, model, optimizer):
         for key, value in scalars.get(opt.names[part.params[piece.index]], {}).items():
             opt.optim.state[w][key] = value.clone() if torch.is_tensor(value) else value
     for group, saved in zip(opt.param_groups, manifest["param_groups"]):
-        group.update({k: type(group[k])(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()
-                      if k != "params"})
+        group.update({k: _as_held(group.get(k), v) for k, v in saved.items() if k != "params"})
     opt.loss_scale, opt.clean_steps = manifest["loss_scale"], manifest["clean_steps"]
     for name, b in model.named_buffers():
         b.copy_(buffers[name])
     if manifest["nd"] == part.nd:  # each rank its own random stream; at another Nd the streams differ
         torch.set_rng_state(rest["rng"])
     return rest["extra"]
+
+
+def _as_held(live, saved):
+    """A param_group option read from the manifest (JSON) in the form the live group holds it."""
+    if isinstance(live, tuple):  # betas
+        return tuple(saved)
+    if torch.is_tensor(live):  # a tensor lr
+        return torch.tensor(saved, dtype=live.dtype, device=live.device)
+    return saved
 
 
 def consolidate(path, out=None):
@@ -1670,7 +1709,10 @@ def consolidate(path, out=None):
         weights = reader.param(p["name"], "weights")
         for name in [p["name"]] + p["aliases"]:  # a tied weight under each of its names
             model[name] = weights
-    model.update(reader.rest(0)["buffers"])
+    rest = reader.rest(0)
+    for name in rest.get("persistent", rest["buffers"]):  # floating point in fp32, as full_state_dict
+        b = rest["buffers"][name]
+        model[name] = b.float() if b.is_floating_point() else b
     scalars, state, groups, index = reader.scalars(), {}, [], 0
     for saved in manifest["param_groups"]:
         groups.append({**saved, "params": list(range(index, index + len(saved["params"])))})
