@@ -969,8 +969,9 @@ def gather_groups(module, units):
     """What stage 3 gathers together: a unit (e.g. a transformer block) all the parameters below
     it, any other module its own. A parameter of several modules (a tied embedding) is a group
     of its own, kept from its first use to the end of the forward, so forward moves Ψ and no
-    more. Returns (groups, [(module, its group indices)], shared groups)."""
-    units = set(units)
+    more. torch's nn.MultiheadAttention reads out_proj's parameters without calling out_proj:
+    it is always a unit. Returns (groups, [(module, its group indices)], shared groups)."""
+    units = set(units) | {m for m in module.modules() if isinstance(m, torch.nn.MultiheadAttention)}
     inside = {sub for u in units for sub in u.modules() if sub is not u}
     owned = [(m, list(m.parameters(recurse=m in units))) for m in module.modules() if m not in inside]
     owned = [(m, own) for m, own in owned if own]
