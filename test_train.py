@@ -5,6 +5,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -78,8 +79,15 @@ def test_train_stage3_on_2_ranks_runs_and_loss_falls(tmp_path):
 @pytest.mark.xdist_group("train")
 def test_train_loss_curves_are_identical_for_stages_0_and_3(tmp_path):
     small = ["--data", os.path.join(HERE, "zero.py")]  # a small corpus: the default takes seconds to prepare
-    curves = [[row["loss"] for row in run_train(tmp_path, 2, "--stage", s, *small)[0]["log"]] for s in ("0", "3")]
+    runs = [run_train(tmp_path, 2, "--stage", s, *small) for s in ("0", "3")]
+    curves = [[row["loss"] for row in log["log"]] for log, _ in runs]
     assert curves[0] == curves[1], curves
+    # the activations forward keeps are the same at both stages (stage 3's gathered weights are freed by then)
+    kept = [re.search(r"activations kept at the end of forward ([\d.]+) MB", stdout).group(1) for _, stdout in runs]
+    assert kept[0] == kept[1], kept
+    for log, _ in runs:  # model states include AdamW's from step 0; peaks are measured on steps 0, 2 and 5 only
+        assert len({row["model_state_mb"] for row in log["log"]}) == 1, log["log"]
+        assert [row["peak_mb"] is None for row in log["log"]] == [False, True, False, True, True, False], log["log"]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -135,6 +143,12 @@ def test_train_with_tp_saves_each_slice_and_resumes(tmp_path):
                                 "--resume", str(tmp_path / "a" / "step_000002"))
     assert "resumed from" in stdout
     assert [row["loss"] for row in resumed["log"]] == [row["loss"] for row in whole["log"]][2:]
+    for more, message in ((["--save_dir", str(tmp_path / "a")], "this run would save"),  # before training, not after
+                          (["--save_dir", str(tmp_path / "a"), "--resume", "--tp", "1"], "saved with --tp 2")):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               os.path.join(HERE, "train.py"), *flags, *more]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE)
+        assert proc.returncode != 0 and message in proc.stderr and "step    0" not in proc.stdout, proc.stderr[-2000:]
 
 
 def test_latest_checkpoint_is_the_highest_complete_step(tmp_path):
@@ -145,3 +159,5 @@ def test_latest_checkpoint_is_the_highest_complete_step(tmp_path):
     (tmp_path / "step_1000002.partial").mkdir()
     assert train.latest_checkpoint(tmp_path, tp=1) == tmp_path / "step_1000000"
     assert train.latest_checkpoint(tmp_path, tp=2) == tmp_path / "step_7"  # step_8 lacks tp1
+    with pytest.raises(SystemExit, match="saved with --tp 1 or 2: resume with that --tp"):
+        train.latest_checkpoint(tmp_path, tp=4)

@@ -205,11 +205,23 @@ def saved_tp(path):
 def latest_checkpoint(save_dir, tp):
     """The highest step in save_dir whose checkpoint is complete: every tp slice's manifest
     written (a save cut short has none)."""
+    complete = lambda d, tp: all((checkpoint_part(d, tp, t) / "manifest.json").is_file() for t in range(tp))
     steps = [d for d in pathlib.Path(save_dir).glob("step_*") if d.name[5:].isdigit()]
-    done = [d for d in steps if all((checkpoint_part(d, tp, t) / "manifest.json").is_file() for t in range(tp))]
+    done = [d for d in steps if complete(d, tp)]
     if not done:
-        raise SystemExit(f"--resume: no complete checkpoint saved at --tp {tp} in {save_dir}; start without --resume")
+        other = sorted({saved_tp(d) for d in steps if complete(d, saved_tp(d))} - {tp})
+        raise SystemExit(f"--resume: no complete checkpoint saved at --tp {tp} in {save_dir}: "
+                         + (f"it holds checkpoints saved with --tp {' or '.join(map(str, other))}: resume with that --tp"
+                            if other else "start without --resume"))
     return max(done, key=lambda d: int(d.name[5:]))
+
+
+def checkpoints_to_save(args, first):
+    """The directories this run saves into, from step `first` on."""
+    if not args.save_dir:
+        return []
+    return [pathlib.Path(args.save_dir) / f"step_{step + 1:06d}" for step in range(first, args.steps)
+            if step == args.steps - 1 or args.save_every and (step + 1) % args.save_every == 0]
 
 
 def main(argv=None):
@@ -243,7 +255,6 @@ def main(argv=None):
         zero.checkpoint_activations(model.h, tp_group=tp_group if args.tp > 1 else None,
                                     partition=args.checkpoint.startswith("P_a"), cpu=args.checkpoint == "P_a+cpu",
                                     contiguous=args.contiguous)
-    memory = zero.MemoryHooks(model, every_module=False)  # the root's forward and backward, on measured steps
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     model, optimizer = zero.initialize(model, torch.optim.AdamW, stage=args.stage, group=dp_group,
@@ -252,6 +263,9 @@ def main(argv=None):
                                        stage3_units=model.h,  # stage 3 gathers a block's parameters at once
                                        init_fn=model.init_weights, device=device, tp_group=tp_group,
                                        lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    # the root's forward and backward, on measured steps; made after zero.initialize, so that the
+    # end of forward is measured after stage 3 has freed what it gathered for the forward
+    memory = zero.MemoryHooks(model, every_module=False)
     log(f"{backend} on {device.type} | world {world} = dp {dp} x tp {args.tp} | ZeRO stage {args.stage} | {args.dtype} | "
         f"model {args.model}: {num_params(config) / 1e6:.2f}M parameters | corpus {len(data) / 1e6:.1f} MB")
 
@@ -267,6 +281,10 @@ def main(argv=None):
         gen = data_stream(args.seed, dp_rank, dp, first, extra)
         log(f"resumed from {path} at step {first}" + ("" if extra.get("dp") == dp else
             f" (saved at dp {extra.get('dp', '?')}, now dp {dp}: each rank draws a fresh data stream)"))
+    taken = [str(d) for d in checkpoints_to_save(args, first) if d.exists()]
+    if taken:
+        raise SystemExit(f"--save_dir: this run would save {taken[0]}, which exists: continue from the latest "
+                         f"checkpoint there with --resume, or pass another --save_dir")
     tokens_per_step = args.batch_size * args.seq_len * dp * args.grad_accum
     history, val_history = [], []
     for step in range(first, args.steps):
@@ -284,11 +302,12 @@ def main(argv=None):
             _, loss = model(x, y)
             optimizer.backward(loss / args.grad_accum)  # loss.backward(), times the loss scale in fp16
             step_loss += loss.detach() / args.grad_accum
-        state_mb = zero.model_state_bytes(model) / 1e6  # after backward: parameters, gradients, states
         memory.record("backward end", "")
         if args.grad_clip > 0:
             optimizer.clip_grad_norm_(args.grad_clip)
         stepped = optimizer.step()  # False: fp16 overflow, step skipped on every rank
+        memory.record("step end", "")  # AdamW's states exist from the first step on
+        state_mb = zero.model_state_bytes(model) / 1e6  # parameters, gradients and optimizer states
         optimizer.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -296,8 +315,8 @@ def main(argv=None):
         memory.recording = False
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device) / 1e6
-        elif measure:  # CPU: the largest live-tensor total seen at a module boundary
-            peak = (memory.peak() - baseline) / 1e6
+        else:  # CPU: the largest live-tensor total seen at a module boundary, on measured steps only
+            peak = (memory.peak() - baseline) / 1e6 if measure else None
         if step == first:
             log(f"memory at step {step} ({'CUDA allocator' if device.type == 'cuda' else 'live tensors'}): "
                 f"activations kept at the end of forward {memory.kept_by_forward() / 1e6:.2f} MB/rank "
@@ -308,7 +327,7 @@ def main(argv=None):
         history.append(dict(step=step, loss=mean_loss, ms=ms, tokens_per_s=tokens_per_step / ms * 1000,
                             model_state_mb=state_mb, peak_mb=peak))
         log(f"step {step:4d} | loss {mean_loss:.4f} | {ms:7.1f} ms | {tokens_per_step / ms * 1000:8.0f} tok/s | "
-            f"model states {state_mb:6.2f} MB/rank | peak {history[-1]['peak_mb']:6.2f} MB/rank"
+            f"model states {state_mb:6.2f} MB/rank | peak " + ("     -" if peak is None else f"{peak:6.2f}") + " MB/rank"
             + (" (measured: slower step)" if measure and device.type == "cpu" else "")
             + ("" if stepped else f" | overflow: step skipped, loss scale now {optimizer.loss_scale:g}"))
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
