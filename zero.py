@@ -491,9 +491,10 @@ class ZeroOptimizer:
                 self._norms_of_round(*rnd, grads, norms, wholes, norm_type)
             dist.all_reduce(norms, group=self.partition.group)  # (n_trainable,): each found on one rank
         norms = [norms[i] for i in range(self.n_trainable) if used[i]]
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else grads.new_zeros(())
         if self.tp_group:
             total = self._tp_norm(norms, norm_type)
+        else:
+            total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else grads.new_zeros(())
         grads.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
