@@ -216,12 +216,12 @@ def latest_checkpoint(save_dir, tp):
     return max(done, key=lambda d: int(d.name[5:]))
 
 
-def checkpoints_to_save(args, first):
-    """The directories this run saves into, from step `first` on."""
-    if not args.save_dir:
-        return []
-    return [pathlib.Path(args.save_dir) / f"step_{step + 1:06d}" for step in range(first, args.steps)
-            if step == args.steps - 1 or args.save_every and (step + 1) % args.save_every == 0]
+def checkpoint_dir(args, step):
+    """Where the checkpoint made after `step` goes: every --save_every steps and at the end
+    (None: no checkpoint then)."""
+    if args.save_dir and (step == args.steps - 1 or args.save_every and (step + 1) % args.save_every == 0):
+        return pathlib.Path(args.save_dir) / f"step_{step + 1:06d}"
+    return None
 
 
 def main(argv=None):
@@ -281,7 +281,7 @@ def main(argv=None):
         gen = data_stream(args.seed, dp_rank, dp, first, extra)
         log(f"resumed from {path} at step {first}" + ("" if extra.get("dp") == dp else
             f" (saved at dp {extra.get('dp', '?')}, now dp {dp}: each rank draws a fresh data stream)"))
-    taken = [str(d) for d in checkpoints_to_save(args, first) if d.exists()]
+    taken = [d for d in (checkpoint_dir(args, step) for step in range(first, args.steps)) if d and d.exists()]
     if taken:
         raise SystemExit(f"--save_dir: this run would save {taken[0]}, which exists: continue from the latest "
                          f"checkpoint there with --resume, or pass another --save_dir")
@@ -334,8 +334,8 @@ def main(argv=None):
             val = evaluate(model, val_data, args, device, dp_group, dp)
             val_history.append(dict(step=step, val_loss=val))
             log(f"step {step:4d} | validation loss {val:.4f}")
-        if args.save_dir and (step == args.steps - 1 or args.save_every and (step + 1) % args.save_every == 0):
-            path = pathlib.Path(args.save_dir) / f"step_{step + 1:06d}"
+        path = checkpoint_dir(args, step)
+        if path:
             zero.save_checkpoint(checkpoint_part(path, args.tp, tp_rank), model, optimizer,
                                  step=step + 1, dp=dp, data=gen.get_state())
             log(f"step {step:4d} | saved {path}")

@@ -490,20 +490,20 @@ class ZeroOptimizer:
             for rnd in self._norm_plan():
                 self._norms_of_round(*rnd, grads, norms, wholes, norm_type)
             dist.all_reduce(norms, group=self.partition.group)  # (n_trainable,): each found on one rank
-        norms = [norms[i] for i in range(self.n_trainable) if used[i]]
+        with_grad = [i for i in range(self.n_trainable) if used[i]]
+        norms = [norms[i] for i in with_grad]
         if self.tp_group:
-            total = self._tp_norm(norms, norm_type)
+            total = self._tp_norm(norms, [self.partition.params[i] for i in with_grad], norm_type)
         else:
             total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else grads.new_zeros(())
         grads.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
-    def _tp_norm(self, norms, norm_type):
-        """The norm over every tp rank's slices: split parameters count on every tp rank,
-        replicated ones on tp rank 0 only; one all-reduce of a scalar over the tp group."""
+    def _tp_norm(self, norms, params, norm_type):
+        """The norm over every tp rank's slices, from each parameter's norm here: split parameters
+        count on every tp rank, replicated ones on tp rank 0 only; one all-reduce of a scalar."""
         first = dist.get_rank(self.tp_group) == 0
-        used = [p for i, p in enumerate(self.partition.params[:self.n_trainable]) if self.gradients.used_anywhere[i]]
-        mine = [n for n, p in zip(norms, used) if getattr(p, "tensor_model_parallel", False) or first]
+        mine = [n for n, p in zip(norms, params) if getattr(p, "tensor_model_parallel", False) or first]
         mine = torch.stack(mine) if mine else self.grads.new_zeros(1)
         if norm_type == math.inf:
             part = mine.max()
@@ -886,7 +886,8 @@ class FlatParameters:
         self.ran, self.ends = set(), None  # the first forward's modules; then each one's wait point
         if gather_after_step:
             for m in module.modules():
-                m.register_forward_pre_hook(lambda mod, args: self._pre_forward(mod))
+                if next(m.parameters(), None) is not None:  # a module with no parameter below reads none
+                    m.register_forward_pre_hook(lambda mod, args: self._pre_forward(mod))
                 m.register_state_dict_pre_hook(lambda *args: self.wait())
             module.register_forward_hook(lambda mod, args, out: self._learn_ends())
 
@@ -1536,10 +1537,9 @@ def save_checkpoint(path, model, optimizer, **extra):
             _write(partial, files, f"rank{part.rank}.{key}.pt")
         for key, value in extra.items():  # load_checkpoint reads with weights_only=True
             _loadable(value, f"extra {key}={type(value).__name__}")
-        in_state_dict = model.state_dict(keep_vars=True)  # not a non-persistent buffer (e.g. a RoPE cache)
-        files[f"rank{part.rank}.rest.pt"] = {"rng": torch.get_rng_state(), "extra": extra,
-                                             "buffers": dict(model.named_buffers()),
-                                             "persistent": [n for n, _ in model.named_buffers() if n in in_state_dict]}
+        buffers = dict(model.named_buffers())  # persistent: in a state_dict (a RoPE cache is not)
+        files[f"rank{part.rank}.rest.pt"] = {"rng": torch.get_rng_state(), "extra": extra, "buffers": buffers,
+                                             "persistent": [n for n in model.state_dict(keep_vars=True) if n in buffers]}
         _write(partial, files, f"rank{part.rank}.rest.pt")
         if part.rank == 0:  # every parameter's scalar states (AdamW's step), one file for all
             files["scalars.pt"] = scalars
