@@ -87,6 +87,53 @@ def test_partitioned_checkpoints_are_one_tp_th_of_full_ones(world):
     assert kept["none"] > 2 * kept["full"], kept
 
 
+
+# Without tensor parallelism the modes need no process group: one process, fast.
+SINGLE = {"full": dict(), "cpu": dict(cpu=True), "M_D": dict(contiguous=True), "cpu+M_D": dict(cpu=True, contiguous=True)}
+
+
+def schedule_grads(mode, width, schedule, transpose=False):
+    """Parameter gradients after running `schedule`, ("F", i): forward of micro-batch i, ("B", i)
+    its backward, through 3 checkpointed blocks of `width` (mode None: no checkpointing)."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(3))
+    if mode is not None:
+        zero.checkpoint_activations(blocks, **SINGLE[mode])
+    losses = {}
+    for op, i in schedule:
+        if op == "F":
+            x = torch.randn(3, 5, width, generator=torch.Generator().manual_seed(i), requires_grad=True)
+            x = x.transpose(0, 1) if transpose else x
+            for b in blocks:
+                x = b(x)
+            losses[i] = x.pow(2).sum()
+        else:
+            losses.pop(i).backward()
+    return [p.grad for p in blocks.parameters()]
+
+
+@pytest.mark.parametrize("mode", SINGLE)
+@pytest.mark.parametrize("case", ["interleaved", "unaligned", "transposed"])
+def test_checkpointing_is_exact_in_any_schedule_width_and_layout(mode, case):
+    """interleaved: micro-batches in flight at once, as in a 1F1B pipeline (F0 F1 B0 F2 B1 F3 B2
+    B3): an M_D slot is reused only once the graph holding it is gone. unaligned: a width of 7,
+    where slot i would start at 3 x 5 x 7 x 4 x i = 420 i bytes; the kernels' bits depend on alignment, so
+    every slot starts 64-element aligned. transposed: a block input that is not contiguous is
+    recomputed in its own layout. Gradients torch.equal to no checkpointing."""
+    schedule = [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)] \
+        if case == "interleaved" else [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    width, transpose = (7 if case == "unaligned" else 16), case == "transposed"
+    want, got = (schedule_grads(m, width, schedule, transpose) for m in (None, mode))
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), max((a - b).abs().max().item() for a, b in zip(got, want))
+
+
+def test_checkpointing_takes_blocks_called_with_one_tensor():
+    blocks = nn.ModuleList([nn.MultiheadAttention(8, 2)])
+    zero.checkpoint_activations(blocks)
+    x = torch.randn(3, 2, 8, requires_grad=True)
+    with pytest.raises(TypeError, match=r"block\(x\), with one tensor; this one got 2 more argument"):
+        blocks[0](x, x, x)
+
 class Residual(nn.Module):
     def __init__(self):
         super().__init__()
@@ -120,6 +167,32 @@ def test_stage3_recomputation_in_backward_gathers_no_finished_block(world, units
         print(f"gathered at backward's end: {extra} B (one block: {block} B)")
         assert extra <= block
 
+
+
+def on_rank_stage3_gathered_bytes_after_each_forward():
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Residual() for _ in range(4))
+    zero.checkpoint_activations(blocks)
+    model, opt = zero.initialize(nn.Sequential(*blocks), torch.optim.SGD, stage=3, bucket_numel=1024, lr=0.1)
+    shard = zero.model_state_bytes(model)
+    held = []
+    for step in range(3):
+        y = model(torch.randn(4, 64, requires_grad=True))
+        held.append(zero.model_state_bytes(model) - shard)  # gathered parameters still held
+        y.sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return held
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage3_forward_after_a_recomputed_backward_leaves_nothing_gathered(world):
+    """torch's checkpoint stops a recomputation early by raising inside the module that made its
+    last saved tensor; that module's users must still count down, or its parameters stay
+    gathered through every later forward (a Linear of each block, growing by a user a step)."""
+    for held in world(2).run(on_rank_stage3_gathered_bytes_after_each_forward):
+        print("gathered after each forward:", held)
+        assert held == [0, 0, 0], held
 
 # -----------------------------------------------------------------------------------------
 # C_B: every buffer zero hands a collective is bounded by the bucket size, whatever Ψ

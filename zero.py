@@ -1019,7 +1019,9 @@ class ShardedParameters:
         self.gradients = None  # the GradientBuckets, set by initialize
         for m, gids in hooks:
             m.register_forward_pre_hook(lambda mod, args, gids=gids: self._pre_forward(gids))
-            m.register_forward_hook(lambda mod, args, out, gids=gids: self._post_forward(gids, out))
+            # always_call: also when forward raises, as a recomputation in backward (P_a) does when
+            # torch's checkpoint stops it early, so the module's count of users still goes down
+            m.register_forward_hook(lambda mod, args, out, gids=gids: self._post_forward(gids, out), always_call=True)
         for m in module.modules():  # a module inside a unit too: its parameters are freed with the unit's
             m.register_state_dict_pre_hook(self._refuse_state_dict)
         module.register_forward_hook(lambda mod, args, out: self._end_forward())
@@ -1209,6 +1211,8 @@ class ActivationCheckpointing:
     """Checkpoint each of `blocks` (modules called as block(x)): partition=True is P_a over
     tp_group, cpu=True is P_a+cpu, contiguous=True is M_D for the checkpoints."""
 
+    ROW = 64  # elements: an M_D slot starts 64-element aligned (the kernels' bits depend on alignment)
+
     def __init__(self, blocks, tp_group=None, partition=False, cpu=False, contiguous=False):
         self.blocks = list(blocks)
         self.tp_group, self.partition, self.cpu, self.contiguous = tp_group, partition, cpu, contiguous
@@ -1218,19 +1222,30 @@ class ActivationCheckpointing:
         for i, block in enumerate(self.blocks):
             block.forward = functools.partial(self._forward, i, block.forward)
 
-    def _forward(self, i, forward, x):
+    def _forward(self, i, forward, x, *args, **kwargs):
+        if args or kwargs:
+            raise TypeError(f"zero.checkpoint_activations checkpoints blocks called as block(x), with one tensor; "
+                            f"this one got {len(args)} more argument(s) and keywords {sorted(kwargs)}: checkpoint "
+                            f"a module whose forward takes x alone")
         if not torch.is_grad_enabled():  # nothing to save for a backward
             return forward(x)
-        shape, device, requires_grad = x.shape, x.device, x.requires_grad
-        holder = [x]  # the whole input, for this forward only
+        if torch.empty_like(x, device="meta").stride() != x.stride():  # not dense (a slice with gaps):
+            x = x.contiguous()  # computed on a copy the recomputation can rebuild
+        like = torch.empty_like(x, device="meta")  # x's shape and strides, no memory
+        requires_grad, holder = x.requires_grad, [x]  # the whole input, for this forward only
 
-        def run(part):
+        def run(part, anchor):
             if holder[0] is not None:
                 return forward(holder[0])
-            # the recomputation in backward: the input again, from the kept part
-            return forward(self._restore(i, part, shape, device).requires_grad_(requires_grad))
+            # the recomputation in backward: the input again, from the kept part, in x's layout
+            full = self._restore(part, like.shape, anchor.device)
+            if full.stride() != like.stride():  # x was a transposed (dense) tensor
+                full = torch.empty_like(like, device=anchor.device).copy_(full)
+            return forward(full.requires_grad_(requires_grad))
 
-        y = torch.utils.checkpoint.checkpoint(run, self._keep(i, x), use_reentrant=False)
+        # anchor: an empty tensor on x's device, so checkpoint saves and restores that device's
+        # RNG (dropout) even when the kept part is in CPU memory (P_a+cpu)
+        y = torch.utils.checkpoint.checkpoint(run, self._keep(i, x), x.new_empty(0), use_reentrant=False)
         holder[0] = None
         return y
 
@@ -1243,22 +1258,25 @@ class ActivationCheckpointing:
             return part  # plain checkpointing: keep the input itself
         device = torch.device("cpu") if self.cpu else part.device
         if self.contiguous:  # M_D: slot i of one buffer for all blocks
-            if self.arena is None or self.arena.shape[1] != part.numel() or self.arena.device != device:
-                self.arena = torch.empty(len(self.blocks), part.numel(), dtype=part.dtype, device=device,
+            row = math.ceil(part.numel() / self.ROW) * self.ROW
+            if not any(self.busy) and (self.arena is None or self.arena.shape[1] != row
+                                       or (self.arena.dtype, self.arena.device) != (part.dtype, device)):
+                self.arena = torch.empty(len(self.blocks), row, dtype=part.dtype, device=device,
                                          pin_memory=self.cpu and part.is_cuda)
-            if not self.busy[i]:
-                self.busy[i] = True
-                slot = self.arena[i]
+            if not self.busy[i] and (self.arena.shape[1], self.arena.dtype) == (row, part.dtype):
+                slot = self.arena[i, :part.numel()]
                 # .data: filling slot i must not bump the version the other slots were saved at
                 slot.data.copy_(part, non_blocking=True)
+                # slot i is free again once no graph holds it (after its backward, or when dropped)
+                self.busy[i] = True
+                weakref.finalize(slot, self.busy.__setitem__, i, False)
                 return slot
         # P_a's own copy, so the whole input can be freed; to the CPU through pinned memory, without
         # waiting for the copy
         kept = torch.empty(part.shape, dtype=part.dtype, device=device, pin_memory=self.cpu and part.is_cuda)
         return kept.copy_(part, non_blocking=True)
 
-    def _restore(self, i, part, shape, device):
-        self.busy[i] = False
+    def _restore(self, part, shape, device):
         part = part.to(device, non_blocking=True)
         if self.tp == 1:
             return part[:math.prod(shape)].view(shape)
