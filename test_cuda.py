@@ -88,3 +88,21 @@ def test_memory_table_measure_runs_on_nccl():
                          capture_output=True, text=True, timeout=600, cwd=HERE)
     assert out.returncode == 0 and "NCCL ranks, one GPU each" in out.stdout, out.stderr[-2000:]
     print(out.stdout)
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(cpu=True), dict(cpu=True, contiguous=True)], ids=["full", "cpu", "cpu+M_D"])
+def test_checkpointing_recomputes_dropout_with_the_gpus_random_state(mode):
+    """The kept input of P_a+cpu is in CPU memory; checkpoint must still save and restore the
+    GPU's RNG, or dropout draws another mask in the recomputation: gradients torch.equal."""
+    def grads(checkpointed):
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5))
+                                     for _ in range(3)).cuda()
+        if checkpointed:
+            zero.checkpoint_activations(blocks, **mode)
+        x = torch.randn(8, 64, device="cuda", requires_grad=True)
+        for b in blocks:
+            x = b(x)
+        x.pow(2).sum().backward()
+        return [p.grad for p in blocks.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads(True), grads(False)))

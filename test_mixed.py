@@ -222,3 +222,47 @@ def test_bf16_model_state_bytes_match_paper_formula_k12(world, stage, nd):
         padding = zero.ALIGN * nd * n_params  # elements, at most
         slack = 16 * padding + 4 * (2 * n_params + psi // (5000 // nd // zero.ALIGN * zero.ALIGN * nd))
         assert formula - 8 * padding <= measured <= formula + slack, (stage, nd, measured, formula, measured / formula)
+
+
+def on_rank_bytes_after_the_step(stage, dtype):
+    """(model_state_bytes, bytes of every live storage made since before the model) after the
+    second backward and after the second step; and the error of a step() repeated without zero_grad."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64))
+    x = torch.randn(16, 64, dtype=dtype)
+    before = zero.live_storages()
+    model, opt = zero.initialize(net, torch.optim.AdamW, stage=stage, bucket_numel=2**12, lr=1e-3, param_dtype=dtype)
+    held = {}
+    for step in range(2):
+        opt.backward(model(x).float().square().mean())
+        dist.barrier()  # every collective's buffers let go
+        if step == 1:
+            used = opt.gradients.used_flags[0][1].untyped_storage()._cdata  # read by the step
+            held["backward"] = zero.model_state_bytes(model), sum(
+                s.nbytes() for k, s in zero.live_storages().items() if k not in before and k != used)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        if step == 1:
+            held["step"] = zero.model_state_bytes(model), sum(
+                s.nbytes() for k, s in zero.live_storages().items() if k not in before)
+            try:
+                opt.step()
+                again = None
+            except RuntimeError as e:
+                again = str(e)
+        opt.zero_grad()
+    return held, again
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_step_frees_its_gradient_copy(world, stage, dtype):
+    """The step reads the gradient in the optimizer's dtype: a 4Ψ/Nd fp32 copy in bf16 training
+    and at stage 1 (its chunks gathered out of the full gradient). It is freed once used, so after
+    step() a rank holds what it held after backward, Section 5's model states, and
+    model_state_bytes counts every byte there is (before: 4Ψ/Nd more, uncounted)."""
+    for held, again in world(2).run(on_rank_bytes_after_the_step, stage, dtype):
+        print(held)
+        assert held["step"][0] == held["step"][1] == held["backward"][0] == held["backward"][1], held
+        assert again and "call optimizer.zero_grad()" in again, again  # the gradients are gone

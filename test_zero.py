@@ -170,7 +170,8 @@ def on_rank_native_against_exact(stage):
 @pytest.mark.xdist_group("world4")
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_native_reduction_is_within_the_summation_error_bound_at_world_4(world, stage):
-    """The same bytes and the same traffic as the exact path, and gradients within the bound any
+    """The same bytes and the same traffic as the exact path (in Section 7's ring convention, what
+    NCCL sends; gloo's reduce_scatter is an all-reduce underneath), and gradients within the bound any
     two orders of summation share: each sum of Nd terms is within (Nd-1) u Σ|g_j| of the true
     sum (u = 2^-24 in fp32), so the two differ by at most 2 (Nd-1) u Σ|g_j| / Nd (dividing by
     Nd = 4 is exact). A tolerance, not torch.equal: gloo's reduce-scatter adds in its own order."""

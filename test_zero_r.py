@@ -378,8 +378,8 @@ def on_rank_long_lived_tensors_are_views(stage):
             problems.append(f"step {step}: checkpoints not all in one arena of {CONFIG.n_layer} slots")
         loss.backward()
         opt.clip_grad_norm_(1.0)
+        grad_storages |= {opt._grads().untyped_storage()._cdata}  # what the step reads
         opt.step()
-        grad_storages |= {w.grad.untyped_storage()._cdata for w in opt.weights if w.grad is not None}
         opt.zero_grad()
     if grad_storages != {opt.gradients.reduced.untyped_storage()._cdata}:
         problems.append(f"the gradient partition is not one persistent buffer: {len(grad_storages)} storages")

@@ -12,7 +12,7 @@ Parameter Models" (Rajbhandari, Rasley, Ruwase, He; SC 2020), on torch.distribut
 
 reduction="exact" (the default) sums gradients in rank order, ((g_0 + g_1) + g_2) + ..., then
 divides by Nd: every stage gives DistributedDataParallel's bits, whatever the bucket sizes.
-reduction="native" uses the backend's reduce-scatter: the same traffic, in its own order.
+reduction="native" uses the backend's reduce-scatter, in its own order (on NCCL the same traffic).
 
 In the paper's order: Section 3 (where the memory goes), 3.1 (mixed precision), 5 and 7 (the
 flat partition and its collectives; shard-only initialisation), 5.1 (P_os), 5.2 (P_os+g), 5.3
@@ -91,6 +91,10 @@ def live_tensor_bytes(device_type="cpu"):
     return sum(s.nbytes() for s in live_storages(device_type).values())
 
 
+def _on_cuda():
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 class MemoryHooks:
     """records: (phase, module name, allocated, reserved) at each module's forward start and
     end and backward start (every_module=False: the root's only), while `recording` is True.
@@ -98,10 +102,25 @@ class MemoryHooks:
     the allocator, and reserved - allocated is the fragmentation M_D fights."""
 
     def __init__(self, module, every_module=True):
-        self.records, self.recording = [], False
+        self.records, self.recording, self.saved = [], False, None
         for name, m in module.named_modules() if every_module else [("", module)]:
             m.register_forward_pre_hook(lambda mod, args, name=name: self.record("forward start", name))
             m.register_forward_hook(lambda mod, args, out, name=name: self._forward_end(name, out))
+        module.register_forward_pre_hook(lambda mod, args: self._see_saved_tensors())
+        module.register_forward_hook(lambda mod, args, out: self._stop_seeing(), always_call=True)
+
+    def _see_saved_tensors(self):
+        """The walk over live tensors sees a tensor through its Python object, and autograd keeps
+        some of what it saves for backward in C++ alone (log_softmax's output in cross_entropy):
+        during a recorded forward on CPU, every saved tensor is kept through a Python object."""
+        if self.recording and torch.is_grad_enabled() and not _on_cuda():
+            self.saved = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+            self.saved.__enter__()
+
+    def _stop_seeing(self):
+        if self.saved is not None:
+            self.saved.__exit__(None, None, None)
+            self.saved = None
 
     def _forward_end(self, name, out):
         self.record("forward end", name)
@@ -113,7 +132,7 @@ class MemoryHooks:
     def record(self, phase, name):
         if not self.recording:
             return
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if _on_cuda():
             allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         else:
             allocated = reserved = live_tensor_bytes()
@@ -455,6 +474,9 @@ class ZeroOptimizer:
         """This rank's averaged gradient in its own space, unscaled, in the optimizer's dtype;
         and whether any rank's overflowed. Computed once per step."""
         if self.grads is None:
+            if self.gradients.stepped:
+                raise RuntimeError("step() has used this step's gradients and freed them: call optimizer.zero_grad() "
+                                   "and run the next backward before clip_grad_norm_() or step()")
             unfrozen = [self.names[p] for p in self.partition.params[self.n_trainable:] if p.requires_grad]
             if unfrozen:
                 raise RuntimeError(f"{unfrozen[:3]} had requires_grad=False at zero.initialize, which laid out "
@@ -607,15 +629,25 @@ class ZeroOptimizer:
         if self.scaler:
             self._update_loss_scale()
             if self.overflow:
+                self._free_grads()
                 return False
         used = self.gradients.used_anywhere
         for piece, w in zip(self.pieces, self.weights):
             w.grad = grads[piece.own] if used[piece.index] else None
         self.optim.step()
+        self._free_grads()
         if self.master is not None:  # fp32 master -> the 16-bit parameters
             self.parameters.copy_owned(self.owned, self.master)
         self.parameters.after_step()
         return True
+
+    def _free_grads(self):
+        """The gradient in the optimizer's dtype is a copy where it had to be converted (16-bit
+        training) or gathered out of the full gradient (stage 1): (4Ψ/Nd) bytes, freed once
+        the step has used it, so what stays between steps is Section 5's model states."""
+        for w in self.weights:
+            w.grad = None
+        self.grads = None
 
     def _update_loss_scale(self):
         s = self.scaler
@@ -651,7 +683,7 @@ class ZeroOptimizer:
         that hold them (one freed by stage 3 counts 0)."""
         tensors = [t for p in self.partition.params for t in (p, p.grad) if t is not None]
         tensors += self.parameters.storages() + self.gradients.storages()
-        tensors += [self.master] if self.master is not None else []
+        tensors += [t for t in (self.master, self.grads) if t is not None]
         tensors += [v for state in self.optim.state.values() for v in state.values() if torch.is_tensor(v)]
         storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                     for t in tensors if t.untyped_storage().nbytes() > 0}
@@ -1259,11 +1291,12 @@ class ActivationCheckpointing:
         device = torch.device("cpu") if self.cpu else part.device
         if self.contiguous:  # M_D: slot i of one buffer for all blocks
             row = math.ceil(part.numel() / self.ROW) * self.ROW
-            if not any(self.busy) and (self.arena is None or self.arena.shape[1] != row
-                                       or (self.arena.dtype, self.arena.device) != (part.dtype, device)):
-                self.arena = torch.empty(len(self.blocks), row, dtype=part.dtype, device=device,
-                                         pin_memory=self.cpu and part.is_cuda)
-            if not self.busy[i] and (self.arena.shape[1], self.arena.dtype) == (row, part.dtype):
+            fits = self.arena is not None and (self.arena.shape[1], self.arena.dtype, self.arena.device) == \
+                (row, part.dtype, device)
+            if not fits and not any(self.busy):  # a new shape: a new arena, once no graph holds the old one
+                self.arena, fits = torch.empty(len(self.blocks), row, dtype=part.dtype, device=device,
+                                               pin_memory=self.cpu and part.is_cuda), True
+            if fits and not self.busy[i]:
                 slot = self.arena[i, :part.numel()]
                 # .data: filling slot i must not bump the version the other slots were saved at
                 slot.data.copy_(part, non_blocking=True)
