@@ -330,3 +330,30 @@ def test_fit_search_finds_a_larger_model_at_each_stage_and_one_block_more_fails_
                             bucket_numel=2**16)
     fits, ranks = mt.try_fit(setting, 0, rows[0]["n_layer"] + 1)
     assert fits and max(r["peak"] for r in ranks) > budget, ranks
+
+
+class LinearWithLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 4096)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.lin(x), y)
+
+
+def test_memory_hooks_count_what_autograd_saves_in_cpp_alone():
+    """On CPU, MemoryHooks counts live tensors through their Python objects. cross_entropy keeps
+    log_softmax's (64, 4096) fp32 output for backward in C++ alone (the logits, its input, are
+    not kept): during a recorded forward every saved tensor gets a Python object, so the
+    forward's kept bytes are those 1,048,576 plus the loss (before: 4 bytes, the loss alone)."""
+    torch.manual_seed(0)
+    model = LinearWithLoss()
+    memory = zero.MemoryHooks(model, every_module=False)
+    x, y = torch.randn(64, 256), torch.randint(0, 4096, (64,))
+    memory.recording = True
+    loss = model(x, y)
+    memory.recording = False
+    kept = memory.kept_by_forward()
+    print(f"kept by forward: {kept} B")
+    assert 64 * 4096 * 4 <= kept < 64 * 4096 * 4 + 64, kept
+    loss.backward()
