@@ -235,6 +235,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, idx):
         if self.tp_size == 1:
             return F.embedding(idx, self.weight)               # (B, T) -> (B, T, C)
+        torch._assert_async(((idx >= 0) & (idx < self.vocab_per_rank * self.tp_size)).all(),
+                            "token id outside [0, vocab_size)")  # F.embedding raises at tp=1; here it would embed to 0
         outside = (idx < self.vocab_start) | (idx >= self.vocab_start + self.vocab_per_rank)
         local_idx = (idx - self.vocab_start).masked_fill(outside, 0)         # (B, T) in [0, V/tp)
         x = F.embedding(local_idx, self.weight).masked_fill(outside[..., None], 0.0)  # (B, T, C)
@@ -282,9 +284,11 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits, target, vocab_start, group):
     """Mean cross entropy over the targets that are not -1 (like F.cross_entropy(ignore_index=-1))."""
+    V = logits.size(-1) * _tp(group)[0]   # F.cross_entropy raises on these at tp=1; here no rank would pick them
+    torch._assert_async(((target >= -1) & (target < V)).all(), "target outside [0, vocab_size) and not -1")
     loss = VocabParallelCrossEntropy.apply(logits, target, vocab_start, group)          # (N,)
-    keep = (target != -1).to(loss.dtype)
-    return (loss * keep).sum() / keep.sum()
+    keep = target != -1                                 # torch.where, not loss * keep: an ignored row's
+    return torch.where(keep, loss, 0.0).sum() / keep.sum()  # gradient is 0 even when no row is kept (0/0)
 
 
 # ---------------------------------------------------------------------------
@@ -354,9 +358,14 @@ class GPT(nn.Module):
         self.lm_head = ColumnParallelLinear(C, config.vocab_size, tp_group, bias=False, device=device)
         self.lm_head.weight = self.wte.weight                                             # (V/tp, C)
         self.seed = seed
-        # a parameter's name (a tied weight: its first) by id: holding the parameters themselves
-        # would keep them alive after a wrapper such as FSDP2's fully_shard replaces them
-        self.names = {id(p): name for name, p in self.named_parameters()}
+        # a parameter's name (a tied weight: its first) by (id of its module, attribute): not by the
+        # parameter's id, since to_empty or a wrapper (FSDP2's fully_shard) replaces parameters and a
+        # new one can reuse a freed one's id; nor the parameters themselves, which would stay alive
+        first = {}
+        self.names = {}
+        for mname, m in self.named_modules():
+            for pname, p in m.named_parameters(recurse=False):
+                self.names[id(m), pname] = first.setdefault(id(p), f"{mname}.{pname}" if mname else pname)
         for module in self.modules():
             self.init_weights(module)
 
@@ -368,8 +377,8 @@ class GPT(nn.Module):
         built whole or on the meta device and initialised one module at a time (zero.initialize's
         init_fn). Meta parameters are left alone."""
         proj_std = 0.02 / math.sqrt(2 * self.config.n_layer)  # GPT-2: residual projections scaled down
-        for param in module.parameters(recurse=False):
-            name = self.names[id(param)]
+        for pname, param in module.named_parameters(recurse=False):
+            name = self.names[id(module), pname]
             if param.is_meta:  # built on meta: zero.initialize(..., init_fn=model.init_weights) fills it
                 continue
             if isinstance(module, nn.LayerNorm) or name.endswith(".bias"):  # torch's LayerNorm init: 1 and 0
@@ -418,12 +427,11 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """Append max_new_tokens to idx (B, T): greedy at temperature=0, else sampled.
 
-        Every tp rank sees the same gathered logits; to draw the same token they need the same
-        random numbers, so at tp > 1 pass a generator seeded identically on every rank.
+        Every tp rank sees the same gathered logits; at tp > 1 tp rank 0 draws each sampled token
+        and the others take it, so the tp ranks feed back one token whatever their random state.
         """
-        if self.tp_size > 1 and temperature > 0 and generator is None:
-            raise ValueError("sampling at tp > 1 needs generator=torch.Generator().manual_seed(s) with "
-                             "the same s on every tp rank (or temperature=0 for greedy)")
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size:])              # (B, 1, V)
             logits = logits[:, -1, :]                                       # (B, V)
@@ -438,5 +446,7 @@ class GPT(nn.Module):
                 # drawn where the generator lives (a CPU generator: the same tokens on CPU and GPU)
                 where = generator.device if generator is not None else probs.device
                 idx_next = torch.multinomial(probs.to(where), num_samples=1, generator=generator).to(idx.device)  # (B, 1)
+                if self.tp_size > 1:  # every tp rank must feed back the same token: tp rank 0's draw
+                    dist.broadcast(idx_next, group_src=0, group=self.tp_group)  # (B, 1) to every tp rank
             idx = torch.cat((idx, idx_next), dim=1)                         # (B, T+1)
         return idx

@@ -272,7 +272,8 @@ def simulate_section(args):
                  "per step (all_to_all: what goes to and comes from the other ranks; the others: the ring\n"
                  "convention).\n"
                  "Section 7: 2 x (Nd-1)/Nd Ψ at stages 1-2 and 3 x (Nd-1)/Nd Ψ at stage 3, the same on every\n"
-                 "rank; clipping adds about Ψ/Nd: each gradient's pieces brought whole to the rank finding its norm.")
+                 "rank; clipping adds about Ψ/Nd sent: each gradient's pieces brought whole to the rank finding\n"
+                 "its norm, so a rank receives at least its largest gradient (rank 0 at 7.5b: the token embedding).")
     return {"simulate": dict(heading="Simulated at the paper's scale: zero.py on meta models in a fake world",
                              rows=rows, text=text),
             "simulate_comm": dict(heading="Communication at the paper's scale: the same simulated step, per rank",

@@ -221,11 +221,12 @@ def _gpt_loss_and_grads_match_tp1(tp, bias):
 
 
 def _gpt_generates(tp):
-    group, _ = _group_and_rank(tp)
+    group, rank = _group_and_rank(tp)
     model = GPT(PRESETS["tiny"], tp_group=group)
     prompt = torch.tensor([[72, 101, 108, 108, 111]])  # "Hello"
     greedy = model.generate(prompt, 8, temperature=0)
-    sampled = model.generate(prompt, 8, top_k=20, generator=torch.Generator().manual_seed(0))
+    # seeded by rank, as a script seeding each process would: tp rank 0 draws, the others follow
+    sampled = model.generate(prompt, 8, top_k=20, generator=torch.Generator().manual_seed(rank))
     return greedy, sampled
 
 
@@ -424,8 +425,8 @@ def _gpt_too_long(group):
     GPT(PRESETS["tiny"], tp_group=group)(torch.zeros(1, 129, dtype=torch.long))
 
 
-def _gpt_sample_without_generator(group):
-    GPT(PRESETS["tiny"], tp_group=group).generate(torch.zeros(1, 1, dtype=torch.long), 1)
+def _gpt_negative_temperature(group):
+    GPT(PRESETS["tiny"], tp_group=group).generate(torch.zeros(1, 1, dtype=torch.long), 1, temperature=-1.0)
 
 
 @pytest.mark.parametrize("tp, build, message", [
@@ -435,8 +436,49 @@ def _gpt_sample_without_generator(group):
     _tp(2, _gpt_vocab_50257, "vocab_size=50257 is not divisible by tp=2: pad the vocabulary, e.g. vocab_size=50304"),
     _tp(4, _column_out_6, "out_features=6 is not divisible by tp=4: choose tp in {1, 2, 3, 6}"),
     _tp(4, _row_in_6, "in_features=6 is not divisible by tp=4: choose tp in {1, 2, 3, 6}"),
-    _tp(2, _gpt_sample_without_generator, "needs generator=torch.Generator().manual_seed(s)"),
+    _tp(2, _gpt_negative_temperature, "temperature=-1.0 must be >= 0 (0: greedy)"),
 ])
 def test_bad_input_raises_value_error_naming_the_fix(world, tp, build, message):
     for got in _on_ranks(world, tp, _value_error, build):
         assert got is not None and message in got, f"expected a ValueError containing {message!r}, got {got!r}"
+
+
+def _vocab_edges(tp):
+    """At tp > 1 no rank's vocabulary slice holds an id outside [0, V): F.embedding and
+    F.cross_entropy raise on one at tp = 1, and so must the parallel layers, not embed it to zeros
+    or train it as a target whose logit is 0. A batch whose targets are all ignored (-1) has a
+    loss of 0/0 = nan, as F.cross_entropy's, and gradients of zero, not nan."""
+    group, _ = _group_and_rank(tp)
+    model = GPT(PRESETS["nano"], tp_group=group)
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    errors = []
+    for what, x, y in [("target -100", idx, idx.masked_fill(idx > 100, -100)), ("target 256", idx, idx.clamp(max=0) + 256),
+                       ("token id 256", idx.clamp(max=0) + 256, idx)]:
+        try:
+            model(x, y)
+            errors.append(f"{what}: no error")
+        except (RuntimeError, IndexError):
+            pass
+    loss = model(idx, torch.full_like(idx, -1))[1]
+    loss.backward()
+    bad = [n for n, p in model.named_parameters() if not torch.equal(p.grad, torch.zeros_like(p.grad))]
+    return errors + ([f"loss {loss.item()}"] if not loss.isnan() else []) + [f"{n}.grad not zero" for n in bad]
+
+
+@pytest.mark.parametrize("tp", TP_SIZES[:2])
+def test_gpt_vocabulary_edges_behave_as_torchs_layers(world, tp):
+    assert _on_ranks(world, tp, _vocab_edges) == [[]] * tp
+
+
+def test_init_weights_after_to_empty_equals_a_direct_build():
+    """A meta-built GPT made real by to_empty (FSDP2's idiom) gets new Parameter objects, which
+    may reuse freed ones' ids: init_weights finds each parameter's name by its module and
+    attribute, so every parameter gets its own seed and init (to_empty unties lm_head; its
+    values are wte's all the same)."""
+    direct = GPT(PRESETS["nano"], seed=0)
+    model = GPT(PRESETS["nano"], seed=0, device="meta")
+    model.to_empty(device="cpu")
+    for m in model.modules():
+        model.init_weights(m)
+    built = dict(model.named_parameters(remove_duplicate=False))
+    assert all(torch.equal(p, built[n]) for n, p in direct.named_parameters(remove_duplicate=False))
