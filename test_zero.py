@@ -6,6 +6,7 @@
 Every function named `on_rank_*` runs on each rank of a live gloo group (conftest.py) and
 returns a list of mismatches, empty when everything agreed.
 """
+import dataclasses
 import re
 import time
 
@@ -513,6 +514,79 @@ def test_a_module_that_reads_its_childs_parameters_waits_for_them(world, stage):
         assert stale == [], f"rank {rank}: a submodule's state_dict() read before the all-gather ended: {stale}"
         assert all(map(torch.equal, losses, want_losses)), f"rank {rank}: losses {losses}, stage 0 {want_losses}"
 
+
+
+class InPlace(nn.Module):
+    """Transformer idioms: an in-place op on a Linear's output, which on 3-D input is a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid, self.head = nn.Embedding(11, 8), nn.Linear(8, 8), nn.Linear(8, 5)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        h = self.mid(x)
+        h += x  # the residual, in place
+        return torch.relu_(self.head(h))
+
+
+def on_rank_in_place_outputs(stage, prefetch):
+    torch.manual_seed(0)
+    model, opt = zero.initialize(InPlace(), torch.optim.AdamW, stage=stage, bucket_numel=64, prefetch=prefetch, lr=0.01)
+    losses = []
+    for step in range(3):
+        idx = torch.randint(0, 11, (4, 3), generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        loss = model(idx).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, zero.full_state_dict(model)
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_stage3_gathers_again_in_backward_after_an_in_place_op_on_an_output(world, prefetch):
+    """An in-place op on a view takes the view's own autograd node out of the graph: stage 3
+    hooks the node that made the output (the base's), so backward gathers the module's
+    parameters again (before: "setStorage ... storage of size 0" at prefetch 0; at prefetch 1
+    backward read a prefetched buffer without waiting for its all-gather)."""
+    want = world(2).run(on_rank_in_place_outputs, 0, prefetch)
+    for (losses, state), (want_losses, want_state) in zip(world(2).run(on_rank_in_place_outputs, 3, prefetch), want):
+        assert all(map(torch.equal, losses, want_losses)), (losses, want_losses)
+        assert all(torch.equal(state[k], want_state[k]) for k in want_state)
+
+
+@dataclasses.dataclass
+class Out:
+    hidden: torch.Tensor
+
+
+class ReturnsDataclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))  # its own: stage 3 gathers it around this forward
+
+    def forward(self, x):
+        return Out(F.linear(x, self.weight))
+
+
+def on_rank_unflattened_output():
+    model, opt = zero.initialize(nn.ModuleList([ReturnsDataclass()]), torch.optim.SGD, stage=3, lr=0.1)
+    with torch.no_grad():
+        model[0](torch.randn(2, 8))  # nothing for backward to gather: fine
+    try:
+        model[0](torch.randn(2, 8)).hidden.sum().backward()
+    except TypeError as e:
+        return str(e)
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage3_output_it_cannot_see_into_names_the_fix(world):
+    """A plain @dataclass is one leaf to torch.utils._pytree: stage 3 could hook none of its
+    tensors to gather again in backward (before: a read of freed storage, or a segfault)."""
+    for message in world(2).run(on_rank_unflattened_output):
+        assert message and "returned an instance of Out" in message and "register_dataclass" in message, message
 
 def on_rank_evaluation_after_training(stage):
     torch.manual_seed(0)

@@ -1198,9 +1198,27 @@ class ShardedParameters:
         if not self.gradients.in_backward:  # a forward recomputed in backward (P_a) keeps them for backward
             self._release([g for g in gids if g not in self.shared])
         if torch.is_grad_enabled():  # gather again when backward reaches this module
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            self._hook_backward(gids, out)
+
+    def _hook_backward(self, gids, out):
+        """Gather gids again when backward reaches the autograd node that made an output: for a
+        view, its base's node, since an in-place op on the view (x = self.fc(x); x.relu_()) takes
+        the view's own node, and a hook on it, out of the graph."""
+        leaves = tree_flatten(out)[0]
+        hidden = [type(t).__name__ for t in leaves if _holds_tensors(t)]
+        if hidden:
+            raise TypeError(f"stage 3: {self.names[gids[0]]} returned an instance of {hidden[0]}, which "
+                            f"torch.utils._pytree does not flatten, so its tensors cannot say when backward "
+                            f"reaches the module to gather its parameters again: return a tuple, dict or "
+                            f"NamedTuple, or register the type (torch.utils._pytree.register_dataclass or "
+                            f"register_pytree_node)")
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                node = (t._base if t._is_view() and t._base.grad_fn is not None else t).grad_fn
+                if node is None:  # a leaf, returned as it is
                     t.register_hook(lambda grad, gids=gids: self._pre_backward(gids))
+                else:
+                    node.register_prehook(lambda grad_outputs, gids=gids: self._pre_backward(gids))
 
     def _pre_backward(self, gids):
         self.gradients.begin()
@@ -1212,6 +1230,8 @@ class ShardedParameters:
         g = self.group_of[p]
         self.grads_left[g] -= 1
         if self.grads_left[g] == 0:
+            for work in self.in_flight.pop(g, ()):  # never free a buffer an all-gather still writes into
+                work.wait()
             self._free(self.buffers[g])
 
     def on_backward_end(self):
@@ -1219,6 +1239,14 @@ class ShardedParameters:
         for buf in self.buffers:
             self._free(buf)
         self.grads_left = list(self.trainable_in)
+
+
+def _holds_tensors(obj):
+    """A pytree leaf that is an object with tensors needing gradients in its fields (a plain
+    @dataclass, a custom class)."""
+    if isinstance(obj, torch.Tensor) or not hasattr(obj, "__dict__"):
+        return False
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(list(vars(obj).values()))[0])
 
 
 # -----------------------------------------------------------------------------------------
