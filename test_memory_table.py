@@ -345,7 +345,7 @@ def test_memory_hooks_count_what_autograd_saves_in_cpp_alone():
     """On CPU, MemoryHooks counts live tensors through their Python objects. cross_entropy keeps
     log_softmax's (64, 4096) fp32 output for backward in C++ alone (the logits, its input, are
     not kept): during a recorded forward every saved tensor gets a Python object, so the
-    forward's kept bytes are those 1,048,576 plus the loss (before: 4 bytes, the loss alone)."""
+    forward's kept bytes are those 1,048,576 plus the loss; without them, the loss's 4 bytes alone."""
     torch.manual_seed(0)
     model = LinearWithLoss()
     memory = zero.MemoryHooks(model, every_module=False)

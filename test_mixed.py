@@ -261,7 +261,7 @@ def test_the_step_frees_its_gradient_copy(world, stage, dtype):
     """The step reads the gradient in the optimizer's dtype: a 4Ψ/Nd fp32 copy in bf16 training
     and at stage 1 (its chunks gathered out of the full gradient). It is freed once used, so after
     step() a rank holds what it held after backward, Section 5's model states, and
-    model_state_bytes counts every byte there is (before: 4Ψ/Nd more, uncounted)."""
+    model_state_bytes counts every byte there is."""
     for held, again in world(2).run(on_rank_bytes_after_the_step, stage, dtype):
         print(held)
         assert held["step"][0] == held["step"][1] == held["backward"][0] == held["backward"][1], held

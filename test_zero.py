@@ -549,8 +549,8 @@ def on_rank_in_place_outputs(stage, prefetch):
 def test_stage3_gathers_again_in_backward_after_an_in_place_op_on_an_output(world, prefetch):
     """An in-place op on a view takes the view's own autograd node out of the graph: stage 3
     hooks the node that made the output (the base's), so backward gathers the module's
-    parameters again (before: "setStorage ... storage of size 0" at prefetch 0; at prefetch 1
-    backward read a prefetched buffer without waiting for its all-gather)."""
+    parameters again; a hook on the view's node would never fire, and backward would read freed
+    storage (prefetch 0) or a prefetched buffer whose all-gather it never waited for (prefetch 1)."""
     want = world(2).run(on_rank_in_place_outputs, 0, prefetch)
     for (losses, state), (want_losses, want_state) in zip(world(2).run(on_rank_in_place_outputs, 3, prefetch), want):
         assert all(map(torch.equal, losses, want_losses)), (losses, want_losses)
@@ -584,7 +584,7 @@ def on_rank_unflattened_output():
 @pytest.mark.xdist_group("world2")
 def test_stage3_output_it_cannot_see_into_names_the_fix(world):
     """A plain @dataclass is one leaf to torch.utils._pytree: stage 3 could hook none of its
-    tensors to gather again in backward (before: a read of freed storage, or a segfault)."""
+    tensors to gather again in backward, which would then read freed storage: it raises instead."""
     for message in world(2).run(on_rank_unflattened_output):
         assert message and "returned an instance of Out" in message and "register_dataclass" in message, message
 
