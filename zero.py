@@ -95,6 +95,17 @@ def _on_cuda():
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
+def _when_backward_reaches(t, fn):
+    """Call fn() when backward reaches the autograd node that made tensor t: for a view, its
+    base's node, since an in-place op on the view (x = self.fc(x); x.relu_()) takes the view's
+    own node, and a hook on it, out of the graph."""
+    node = (t._base if t._is_view() and t._base.grad_fn is not None else t).grad_fn
+    if node is None:  # a leaf, returned as it is
+        t.register_hook(lambda grad: fn())
+    else:
+        node.register_prehook(lambda grad_outputs: fn())
+
+
 class MemoryHooks:
     """records: (phase, module name, allocated, reserved) at each module's forward start and
     end and backward start (every_module=False: the root's only), while `recording` is True.
@@ -127,7 +138,7 @@ class MemoryHooks:
         if self.recording and torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                tensors[0].register_hook(lambda grad: self.record("backward start", name))
+                _when_backward_reaches(tensors[0], lambda: self.record("backward start", name))
 
     def record(self, phase, name):
         if not self.recording:
@@ -661,10 +672,9 @@ class ZeroOptimizer:
     def zero_grad(self, set_to_none=True):
         if not set_to_none:
             raise ValueError("zero_grad(set_to_none=False) is not supported: gradients are always released")
-        for w in self.weights:
-            w.grad = None
+        self._free_grads()
         self.gradients.zero_grad()
-        self.grads, self.overflow = None, False
+        self.overflow = False
 
     def state_dict(self):
         raise RuntimeError("the optimizer's state is sharded over the ranks: zero.save_checkpoint(path, model, "
@@ -1118,9 +1128,8 @@ class ShardedParameters:
         part = self.partition
         for g in gids:
             buf = self.buffers[g]
-            if g in self.in_flight and not prefetch:  # prefetched: wait for its all-gathers
-                for work in self.in_flight.pop(g):
-                    work.wait()
+            if not prefetch:  # prefetched: wait for its all-gathers
+                self._wait_gathered(g)
             if buf.numel() == 0 or buf.untyped_storage().nbytes() > 0:
                 continue  # gathered already (or on its way)
             self._check_same_group(g)
@@ -1155,11 +1164,14 @@ class ShardedParameters:
                                f"{self.partition.rank}: {self.names[g]}; others: {self.names[high]} or "
                                f"{self.names[-low]}): {rule}")
 
+    def _wait_gathered(self, g):
+        """Wait for group g's all-gathers, if a prefetch left them in flight."""
+        for work in self.in_flight.pop(g, ()):
+            work.wait()
+
     def _finish_prefetch(self):
-        for works in self.in_flight.values():
-            for work in works:
-                work.wait()
-        self.in_flight = {}
+        for g in list(self.in_flight):
+            self._wait_gathered(g)
 
     def _prefetch(self, gids, step):
         """Gather the next units (in the first forward's order, reversed in backward) as this one
@@ -1201,9 +1213,7 @@ class ShardedParameters:
             self._hook_backward(gids, out)
 
     def _hook_backward(self, gids, out):
-        """Gather gids again when backward reaches the autograd node that made an output: for a
-        view, its base's node, since an in-place op on the view (x = self.fc(x); x.relu_()) takes
-        the view's own node, and a hook on it, out of the graph."""
+        """Gather gids again when backward reaches one of the module's outputs."""
         leaves = tree_flatten(out)[0]
         hidden = [type(t).__name__ for t in leaves if _holds_tensors(t)]
         if hidden:
@@ -1214,11 +1224,7 @@ class ShardedParameters:
                             f"register_pytree_node)")
         for t in leaves:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                node = (t._base if t._is_view() and t._base.grad_fn is not None else t).grad_fn
-                if node is None:  # a leaf, returned as it is
-                    t.register_hook(lambda grad, gids=gids: self._pre_backward(gids))
-                else:
-                    node.register_prehook(lambda grad_outputs, gids=gids: self._pre_backward(gids))
+                _when_backward_reaches(t, lambda: self._pre_backward(gids))
 
     def _pre_backward(self, gids):
         self.gradients.begin()
@@ -1230,8 +1236,7 @@ class ShardedParameters:
         g = self.group_of[p]
         self.grads_left[g] -= 1
         if self.grads_left[g] == 0:
-            for work in self.in_flight.pop(g, ()):  # never free a buffer an all-gather still writes into
-                work.wait()
+            self._wait_gathered(g)  # never free a buffer an all-gather still writes into
             self._free(self.buffers[g])
 
     def on_backward_end(self):
