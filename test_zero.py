@@ -298,6 +298,86 @@ def test_stage3_keeps_a_frozen_weight_until_backward_is_done_with_it(world):
         assert torch.equal(got, want), (got, want)
 
 
+class LoRA(nn.Module):
+    """y = x W^T + (x A^T) B^T with W frozen: a low-rank adapter on a frozen weight."""
+
+    def __init__(self, width, rank=2):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / width ** 0.5, requires_grad=False)
+        self.a = nn.Parameter(torch.randn(rank, width) / width ** 0.5)
+        self.b = nn.Parameter(torch.randn(width, rank) / rank ** 0.5)
+
+    def forward(self, x):
+        return x @ self.weight.T + (x @ self.a.T) @ self.b.T
+
+
+def on_rank_frozen_blocks(stage, checkpointing):
+    """8 blocks, LoRA ones and a wholly frozen one, as stage-3 units: the losses of 3 steps and
+    the most parameter bytes held in backward beyond what stays after it."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(LoRA(64), nn.Tanh()) for _ in range(8))
+    blocks[3] = nn.Sequential(nn.Linear(64, 64), nn.Tanh()).requires_grad_(False)
+    if checkpointing:
+        zero.checkpoint_activations(blocks)
+    model, opt = zero.initialize(nn.Sequential(nn.Linear(16, 64), *blocks, nn.Linear(64, 1)), torch.optim.SGD,
+                                 stage=stage, bucket_numel=1024, stage3_units=blocks if stage == 3 else None, lr=0.1)
+    seen = []  # sampled each time backward reaches a block's output
+
+    def sample_in_backward(module, args, out):
+        out.register_hook(lambda grad: seen.append(zero.model_state_bytes(model)))
+
+    for b in blocks:
+        b.register_forward_hook(sample_in_backward)
+    losses, extra = [], 0
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1000 * step + dist.get_rank()))
+        seen.clear()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        extra = max(extra, max(seen) - zero.model_state_bytes(model))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), extra
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "recomputed"])
+def test_stage3_frees_a_block_with_frozen_parameters_once_backward_is_done_with_it(world, checkpointing):
+    """A frozen parameter has no gradient to say when backward is done with it: stage 3 frees its
+    group once the module's inputs have their gradients (and its trainable parameters theirs), so
+    a LoRA model holds a few blocks at a time in backward, not all of them. At any moment: the
+    block backward is in, the one after it (its inputs' gradients just arriving) and the one
+    prefetched before it, each 4352 elements padded to 5 buckets of 1024 (Nd 2), in fp32."""
+    block = 5 * 1024 * 4
+    want = world(2).run(on_rank_frozen_blocks, 0, checkpointing)
+    for (losses, extra), (want_losses, _) in zip(world(2).run(on_rank_frozen_blocks, 3, checkpointing), want):
+        print(f"most parameter bytes gathered in backward: {extra} (one block: {block})")
+        assert torch.equal(losses, want_losses), (losses, want_losses)
+        assert extra <= 3 * block, extra
+
+
+def on_rank_reentrant_checkpoint_of_a_shared_block(stage):
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    model, opt = zero.initialize(nn.Sequential(nn.Linear(4, 16), block, nn.Linear(16, 1)), torch.optim.SGD,
+                                 stage=stage, lr=0.1)
+    h = model[0](torch.randn(2, 4))
+    for _ in range(2):  # each call's backward runs on its own and gives the block's parameters a gradient
+        h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+    return missed_errors({"got a gradient twice in one backward: a module called more than once inside "
+                          "torch.utils.checkpoint(use_reentrant=True)": model[2](h).sum().backward}, (RuntimeError,))
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_gradient_that_arrives_twice_in_one_backward_is_an_error(world, stage):
+    """A reentrant checkpoint runs a backward per call, so a block called twice gets two
+    gradients in one backward; the first may be reduced already, and the sum would lose one:
+    an error that names use_reentrant=False (DDP raises too)."""
+    assert world(2).run(on_rank_reentrant_checkpoint_of_a_shared_block, stage) == [[], []]
+
+
 # -----------------------------------------------------------------------------------------
 # The stage really partitions: bytes alive on each rank after backward = the paper's formula
 # -----------------------------------------------------------------------------------------

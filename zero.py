@@ -851,6 +851,11 @@ class GradientBuckets:
         """Post-accumulate-grad hook: p's gradient for this backward is complete."""
         self.begin()
         part, i = self.partition, self.partition.index[p]
+        if self.used[i]:  # its bucket may be reduced already: the second part would be lost
+            raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient twice in one backward: a "
+                               f"module called more than once inside torch.utils.checkpoint(use_reentrant=True), "
+                               f"which runs a backward of its own per call; use use_reentrant=False "
+                               f"(or zero.checkpoint_activations)")
         self.used[i] = True
         grad, a = p.grad.view(-1), part.offsets[i]
         for k, lo, hi in part.segments_of[i]:  # copy into the bucket(s) it falls in
@@ -1049,18 +1054,16 @@ class ShardedParameters:
                               for members in groups]
         self.group_buckets = [range(ks[0], ks[-1] + 1) if ks else range(0) for ks in self.group_buckets]
         self.groups, self.dtype, self.buffers = groups, dtype, []  # a buffer per group, made by bind()
-        # In backward a group is freed when its last gradient arrives; one that holds a frozen
-        # parameter (no gradient says when backward is done with it) at the end of backward.
-        self.trainable_in = [math.inf if any(not p.requires_grad for p in members) else len(members)
-                             for members in groups]
-        self.grads_left = list(self.trainable_in)
+        self._new_backward()
         self.refcount = [0] * len(groups)
+        self.calls = collections.defaultdict(list)  # id(gids) -> the calls in forward, innermost last
         self.prefetch_numel = prefetch * max(sum(partition.buckets[k].chunk for k in ks) * partition.nd
                                              for ks in self.group_buckets)  # see _prefetch
         self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, {}
         self.gradients = None  # the GradientBuckets, set by initialize
         for m, gids in hooks:
-            m.register_forward_pre_hook(lambda mod, args, gids=gids: self._pre_forward(gids))
+            m.register_forward_pre_hook(lambda mod, args, kwargs, gids=gids: self._pre_forward(gids, args, kwargs),
+                                        with_kwargs=True)
             # always_call: also when forward raises, as a recomputation in backward (P_a) does when
             # torch's checkpoint stops it early, so the module's count of users still goes down
             m.register_forward_hook(lambda mod, args, out, gids=gids: self._post_forward(gids, out), always_call=True)
@@ -1189,7 +1192,8 @@ class ShardedParameters:
         self._release(range(len(self.groups)) if not self.gradients.in_backward else self.shared)
         self.order_known = True  # the units' order, from the first forward
 
-    def _pre_forward(self, gids):
+    def _pre_forward(self, gids, args, kwargs):
+        self.calls[id(gids)].append(self._watch_inputs(gids, args, kwargs))  # (popped even if the gather raises)
         self._gather(gids)
         for g in gids:
             self.refcount[g] += 1
@@ -1205,14 +1209,37 @@ class ShardedParameters:
                 self._free(self.buffers[g])
 
     def _post_forward(self, gids, out):
+        call = self.calls[id(gids)].pop()
         for g in gids:
             self.refcount[g] -= 1
         if not self.gradients.in_backward:  # a forward recomputed in backward (P_a) keeps them for backward
             self._release([g for g in gids if g not in self.shared])
         if torch.is_grad_enabled():  # gather again when backward reaches this module
-            self._hook_backward(gids, out)
+            self._hook_backward(gids, out, call)
 
-    def _hook_backward(self, gids, out):
+    def _watch_inputs(self, gids, args, kwargs):
+        """A frozen parameter has no gradient to say when backward is done with it; backward is
+        done with the module once it has the gradients of the module's tensor inputs (as FSDP2's
+        post-backward). For a module holding frozen parameters, called in a forward that builds a
+        graph: returns this call's record, [reached by backward], whose inputs are then watched."""
+        if not torch.is_grad_enabled() or not any(self.has_frozen[g] for g in gids):
+            return None
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not inputs:  # backward uses the frozen parameters only for the trainable ones' gradients
+            return None
+        call = [False]
+        torch.autograd.graph.register_multi_grad_hook(
+            inputs, functools.partial(_call_weakly, weakref.WeakMethod(self._inputs_done), gids, call))
+        return call
+
+    def _inputs_done(self, gids, call, grads):
+        if call[0]:  # this call's backward is done
+            call[0] = False
+            for g in gids:
+                self.inputs_left[g] -= 1
+                self._free_in_backward(g)
+
+    def _hook_backward(self, gids, out, call):
         """Gather gids again when backward reaches one of the module's outputs."""
         leaves = tree_flatten(out)[0]
         hidden = [type(t).__name__ for t in leaves if _holds_tensors(t)]
@@ -1224,26 +1251,41 @@ class ShardedParameters:
                             f"register_pytree_node)")
         for t in leaves:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                _when_backward_reaches(t, lambda: self._pre_backward(gids))
+                _when_backward_reaches(t, lambda: self._pre_backward(gids, call))
 
-    def _pre_backward(self, gids):
+    def _pre_backward(self, gids, call):
         self.gradients.begin()
         self._gather(gids)
+        if call is not None and not call[0]:  # (once per call, whatever its number of outputs)
+            call[0] = True
+            for g in gids:
+                self.inputs_left[g] += 1
         self._prefetch(gids, -1)
 
     def on_grad(self, p):
-        """The last gradient of p's group: backward is done with its parameters."""
         g = self.group_of[p]
         self.grads_left[g] -= 1
-        if self.grads_left[g] == 0:
+        self._free_in_backward(g)
+
+    def _free_in_backward(self, g):
+        """Backward is done with group g once every trainable parameter in it has its gradient
+        and every call that holds a frozen one has its inputs' gradients."""
+        if self.grads_left[g] <= 0 and self.inputs_left[g] == 0:
             self._wait_gathered(g)  # never free a buffer an all-gather still writes into
             self._free(self.buffers[g])
+
+    def _new_backward(self):
+        # requires_grad as it is now, for the next backward and the forwards before it: a parameter
+        # frozen or unfrozen in between is counted as before, which keeps its group gathered longer
+        self.grads_left = [sum(p.requires_grad for p in members) for members in self.groups]
+        self.has_frozen = [n < len(members) for n, members in zip(self.grads_left, self.groups)]
+        self.inputs_left = [0] * len(self.groups)  # calls backward has reached, their inputs' gradients to come
 
     def on_backward_end(self):
         self._finish_prefetch()
         for buf in self.buffers:
             self._free(buf)
-        self.grads_left = list(self.trainable_in)
+        self._new_backward()
 
 
 def _holds_tensors(obj):
