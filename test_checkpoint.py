@@ -315,6 +315,8 @@ def damage(path, how):
         target.unlink()
     elif how == "missing manifest":
         (path / "manifest.json").unlink()
+    elif how == "damaged manifest":  # the manifest holds no checksum of its own
+        (path / "manifest.json").write_text((path / "manifest.json").read_text()[:-20])
     elif how == "unreadable rest file":  # intact by its checksum, but torch.load(weights_only=True) refuses it
         torch.save({"extra": argparse.Namespace(step=1)}, path / "rank1.rest.pt")
         manifest = json.loads((path / "manifest.json").read_text())
@@ -337,6 +339,7 @@ def on_rank_load_refused(path, make_kwargs):
 BROKEN = {
     "truncated": ({"stage": 3}, "truncated"), "flipped byte": ({"stage": 3}, "checksum mismatch"),
     "missing rank file": ({"stage": 3}, "missing"), "missing manifest": ({"stage": 3}, "not a checkpoint"),
+    "damaged manifest": ({"stage": 3}, "manifest.json cannot be read"),
     "another model": ({"stage": 3, "config": GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=4,
                                                         n_embd=32)}, "another model: h.2.ln_1.weight"),
     "another dtype": ({"stage": 3, "param_dtype": torch.bfloat16}, "another dtype"),
@@ -363,6 +366,79 @@ def test_a_directory_that_is_not_a_checkpoint_is_refused(world, tmp_path):
     for where, why in [("empty", "no manifest.json"), ("nowhere", "does not exist")]:
         for error, changed in world(2).run(on_rank_load_refused, str(tmp_path / where), {"stage": 1}):
             assert why in error and changed == []
+
+
+class WithBuffers(torch.nn.Module):
+    def __init__(self, count=2, cache=4):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.register_buffer("count", torch.arange(float(count)))
+        self.register_buffer("cache", torch.zeros(cache), persistent=False)  # not in a state_dict
+
+
+def on_rank_buffers(path, count, cache):
+    model, opt = zero.initialize(WithBuffers(), torch.optim.SGD, stage=1, lr=0.1)
+    zero.save_checkpoint(path, model, opt)
+    torch.manual_seed(1)
+    other, opt = zero.initialize(WithBuffers(count, cache), torch.optim.SGD, stage=1, lr=0.1)
+    before = full_state(other)
+    try:
+        zero.load_checkpoint(path, other, opt)
+        return "loaded", differences(before, full_state(other))
+    except zero.CheckpointError as e:
+        return str(e), differences(before, full_state(other))
+
+
+@pytest.mark.xdist_group("world2")
+def test_buffers_are_checked_before_loading_and_a_non_persistent_one_is_left_alone(world, tmp_path):
+    for result, changed in world(2).run(on_rank_buffers, str(tmp_path / "a"), 2, 8):  # another cache size
+        assert result == "loaded" and changed == ["fc.bias", "fc.weight"], (result, changed)
+    for result, changed in world(2).run(on_rank_buffers, str(tmp_path / "b"), 3, 4):
+        assert "another model: buffer count is [3] here, [2] saved" in result and changed == [], (result, changed)
+
+
+def on_rank_save_fails_on_rank_0(path, where):
+    model, opt = make(2)
+    train(model, opt, 0, 1)
+    real = pathlib.Path.write_text
+    if where == "manifest" and dist.get_rank() == 0:  # a full disk when the manifest is written
+        pathlib.Path.write_text = lambda self, *a, **k: 1 / 0 if self.name == "manifest.json" else real(self, *a, **k)
+    try:
+        zero.save_checkpoint(path, model, opt)
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        pathlib.Path.write_text = real
+
+
+@pytest.mark.xdist_group("world2")
+def test_a_save_that_fails_on_rank_0_alone_fails_on_every_rank(world, tmp_path):
+    """Rank 0 alone makes the directory and writes the manifest: when either fails, every rank
+    raises rather than wait for rank 0 in a collective."""
+    (tmp_path / "a_file").write_text("")
+    for where, path, why in [("directory", tmp_path / "a_file" / "ckpt", "rank 0: NotADirectoryError"),
+                             ("manifest", tmp_path / "ckpt", "rank 0: ZeroDivisionError")]:
+        for error in world(2).run(on_rank_save_fails_on_rank_0, str(path), where, timeout=60):
+            assert "the checkpoint was not written" in error and why in error, error
+
+
+def on_rank_pending_gradients(path):
+    model, opt = make(1)
+    train(model, opt, 0, 1)
+    zero.save_checkpoint(path, model, opt)
+    x, y = batch(1)
+    opt.backward(model(x, y)[1])  # a micro-batch: its gradients are in no checkpoint
+    fix = "call it after optimizer.step() or optimizer.zero_grad()"
+    return helpers.missed_errors({f"save_checkpoint after a backward whose gradients no step has used: they are not "
+                                  f"saved; {fix}": lambda: zero.save_checkpoint(path + "2", model, opt),
+                                  f"load_checkpoint after a backward whose gradients no step has used": lambda:
+                                  zero.load_checkpoint(path, model, opt)}, (RuntimeError,))
+
+
+@pytest.mark.xdist_group("world2")
+def test_save_and_load_between_micro_batches_name_the_fix(world, tmp_path):
+    assert world(2).run(on_rank_pending_gradients, str(tmp_path / "ckpt")) == [[], []]
 
 
 def on_rank_crash_while_saving(path, new_path):

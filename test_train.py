@@ -143,8 +143,10 @@ def test_train_with_tp_saves_each_slice_and_resumes(tmp_path):
                                 "--resume", str(tmp_path / "a" / "step_000002"))
     assert "resumed from" in stdout
     assert [row["loss"] for row in resumed["log"]] == [row["loss"] for row in whole["log"]][2:]
+    (tmp_path / "a" / "step_000004" / "tp1").rename(tmp_path / "a" / "step_000004" / "tp1.partial")  # a failed save
     for more, message in ((["--save_dir", str(tmp_path / "a")], "this run would save"),  # before training, not after
-                          (["--save_dir", str(tmp_path / "a"), "--resume", "--tp", "1"], "saved with --tp 2")):
+                          (["--save_dir", str(tmp_path / "a"), "--resume", "--tp", "1"], "saved with --tp 2"),
+                          (["--save_dir", str(tmp_path / "a"), "--resume"], "holds a save that did not finish: delete")):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                os.path.join(HERE, "train.py"), *flags, *more]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE)

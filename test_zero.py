@@ -357,6 +357,81 @@ def test_stage3_frees_a_block_with_frozen_parameters_once_backward_is_done_with_
         assert extra <= 3 * block, extra
 
 
+@dataclasses.dataclass
+class Batch:  # a plain dataclass: torch.utils._pytree does not flatten it
+    x: torch.Tensor
+
+
+class LoRAOnBatch(LoRA):
+    def forward(self, batch):
+        return super().forward(batch.x)
+
+
+class LoRAPassingInput(LoRA):
+    def forward(self, x):
+        return super().forward(x), x
+
+
+class FrozenTimesChild(nn.Module):
+    """x + child(y) @ w with w frozen: backward uses w for the child's gradient, not x's."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width, width) / width ** 0.5, requires_grad=False)
+        self.child = nn.Linear(width, width)
+
+    def forward(self, x, y):
+        return x + self.child(y) @ self.w
+
+
+def on_rank_frozen_layouts(stage, case):
+    """The losses of 3 SGD steps of a model where stage 3 cannot free a group holding a frozen
+    parameter at its module's input gradients, or must count its gradients afresh."""
+    torch.manual_seed(0)
+    first, last, units = nn.Linear(16, 16), nn.Linear(16, 1), None
+    if case == "input_in_a_dataclass":
+        mid = LoRAOnBatch(16)
+        forward = lambda x, step: last(torch.tanh(mid(Batch(first(x)))))
+    elif case == "frozen_then_unfrozen":  # every Linear trainable at initialize; two frozen for step 1
+        mid = units = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Tanh(), nn.Linear(16, 16, bias=False), nn.Tanh(),
+                                    nn.Linear(16, 16, bias=False))
+        forward = lambda x, step: last(mid(x))
+    elif case == "leaf_input":  # a leaf's gradient is taken first, before the module's backward
+        mid = FrozenTimesChild(16)
+        forward = lambda x, step: last(mid(x.requires_grad_(), torch.randn(4, 16, generator=torch.Generator().manual_seed(step))))
+    else:  # "input_passed_through", backward twice over the retained graph
+        mid = LoRAPassingInput(16)
+        forward = lambda x, step: last(sum(map(torch.tanh, mid(first(x)))))
+    model, opt = zero.initialize(nn.ModuleList([first, mid, last]), torch.optim.SGD, stage=stage, bucket_numel=64,
+                                 stage3_units=[units] if units and stage == 3 else None, lr=0.1)
+    losses = []
+    for step in range(3):
+        for m in (mid[0], mid[2]) if case == "frozen_then_unfrozen" else ():
+            m.weight.requires_grad_(step != 1)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1000 * step + dist.get_rank()))
+        loss = forward(x, step).pow(2).mean()
+        loss.backward(retain_graph=case == "input_passed_through")
+        if case == "input_passed_through":
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("case", ["input_in_a_dataclass", "frozen_then_unfrozen", "leaf_input",
+                                  "input_passed_through"])
+def test_stage3_keeps_a_group_with_frozen_parameters_while_backward_may_need_it(world, case):
+    """Where a module's inputs cannot say when backward is done with it (a tensor inside an
+    object, a leaf, no input needing a gradient) its group stays to the end of backward; the
+    gradients to wait for are counted at each backward; a call that passes its input through
+    is done when the input's gradient is. Each case, with stage 0's losses."""
+    want = world(2).run(on_rank_frozen_layouts, 0, case)
+    for got, want in zip(world(2).run(on_rank_frozen_layouts, 3, case), want):
+        assert torch.equal(got, want), (got, want)
+
+
 def on_rank_reentrant_checkpoint_of_a_shared_block(stage):
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())

@@ -202,10 +202,13 @@ def saved_tp(path):
     return len(list(pathlib.Path(path).glob("tp*/manifest.json"))) or 1
 
 
+def complete(path, tp):
+    """Every tp slice's manifest written (a save cut short has none)."""
+    return all((checkpoint_part(path, tp, t) / "manifest.json").is_file() for t in range(tp))
+
+
 def latest_checkpoint(save_dir, tp):
-    """The highest step in save_dir whose checkpoint is complete: every tp slice's manifest
-    written (a save cut short has none)."""
-    complete = lambda d, tp: all((checkpoint_part(d, tp, t) / "manifest.json").is_file() for t in range(tp))
+    """The highest step in save_dir whose checkpoint is complete."""
     steps = [d for d in pathlib.Path(save_dir).glob("step_*") if d.name[5:].isdigit()]
     done = [d for d in steps if complete(d, tp)]
     if not done:
@@ -282,6 +285,9 @@ def main(argv=None):
         log(f"resumed from {path} at step {first}" + ("" if extra.get("dp") == dp else
             f" (saved at dp {extra.get('dp', '?')}, now dp {dp}: each rank draws a fresh data stream)"))
     taken = [d for d in (checkpoint_dir(args, step) for step in range(first, args.steps)) if d and d.exists()]
+    if taken and not complete(taken[0], args.tp):
+        raise SystemExit(f"--save_dir: this run would save {taken[0]}, which holds a save that did not finish: "
+                         f"delete it, then continue from the latest complete checkpoint with --resume")
     if taken:
         raise SystemExit(f"--save_dir: this run would save {taken[0]}, which exists: continue from the latest "
                          f"checkpoint there with --resume, or pass another --save_dir")
@@ -336,8 +342,7 @@ def main(argv=None):
             log(f"step {step:4d} | validation loss {val:.4f}")
         path = checkpoint_dir(args, step)
         if path:
-            zero.save_checkpoint(checkpoint_part(path, args.tp, tp_rank), model, optimizer,
-                                 step=step + 1, dp=dp, data=gen.get_state())
+            save(path, args, tp_group, model, optimizer, step=step + 1, dp=dp, data=gen.get_state())
             log(f"step {step:4d} | saved {path}")
 
     # a sample: every rank runs the same generation (stage 3 gathers parameters collectively,
@@ -355,6 +360,24 @@ def main(argv=None):
 
 
 @torch.no_grad()
+def save(path, args, tp_group, model, optimizer, **extra):
+    """This rank's tp slice into path (a collective over its dp group). At tp > 1 each slice is
+    saved over a dp group of its own, so the tp ranks then compare: one slice's failure is every
+    rank's error."""
+    error = None
+    try:
+        zero.save_checkpoint(checkpoint_part(path, args.tp, dist.get_rank(tp_group)), model, optimizer, **extra)
+    except RuntimeError as e:
+        error = e
+    if args.tp > 1:
+        errors = [None] * args.tp
+        dist.all_gather_object(errors, error and str(error), group=tp_group)
+        if any(errors):
+            raise RuntimeError(f"saving {path} failed: {'; '.join(e for e in errors if e)}") from error
+    if error:
+        raise error
+
+
 def evaluate(model, val_data, args, device, dp_group, dp, batches=4):
     gen = torch.Generator().manual_seed(dist.get_rank(dp_group))  # the same validation batches every time
     total = torch.zeros((), device=device)

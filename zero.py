@@ -1054,6 +1054,7 @@ class ShardedParameters:
                               for members in groups]
         self.group_buckets = [range(ks[0], ks[-1] + 1) if ks else range(0) for ks in self.group_buckets]
         self.groups, self.dtype, self.buffers = groups, dtype, []  # a buffer per group, made by bind()
+        self.calls_seen = []  # the calls this backward reached or passed
         self._new_backward()
         self.refcount = [0] * len(groups)
         self.calls = collections.defaultdict(list)  # id(gids) -> the calls in forward, innermost last
@@ -1218,23 +1219,32 @@ class ShardedParameters:
             self._hook_backward(gids, out, call)
 
     def _watch_inputs(self, gids, args, kwargs):
-        """A frozen parameter has no gradient to say when backward is done with it; backward is
-        done with the module once it has the gradients of the module's tensor inputs (as FSDP2's
-        post-backward). For a module holding frozen parameters, called in a forward that builds a
-        graph: returns this call's record, [reached by backward], whose inputs are then watched."""
-        if not torch.is_grad_enabled() or not any(self.has_frozen[g] for g in gids):
+        """A frozen parameter has no gradient to say when backward is done with it. Backward is
+        done with a module once its inputs have their gradients (FSDP2's post-backward): autograd
+        runs the nodes a forward made before the node that made its input. For a call of a module
+        holding a frozen parameter, in a forward that builds a graph: this call's record,
+        [reached by backward, inputs' gradients in], with its inputs watched. A call whose inputs
+        cannot say it (none needs a gradient; a leaf, whose gradient autograd takes first; a
+        tensor inside an object pytree does not flatten) keeps its groups to the end of backward."""
+        if not torch.is_grad_enabled() or all(p.requires_grad for g in gids for p in self.groups[g]):
             return None
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not inputs:  # backward uses the frozen parameters only for the trainable ones' gradients
+        leaves = tree_flatten((args, kwargs))[0]
+        inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not inputs or any(t.grad_fn is None for t in inputs) or any(_holds_tensors(t) for t in leaves):
+            for g in gids:
+                self.pinned[g] = True
             return None
-        call = [False]
+        call = [False, False]
         torch.autograd.graph.register_multi_grad_hook(
             inputs, functools.partial(_call_weakly, weakref.WeakMethod(self._inputs_done), gids, call))
         return call
 
     def _inputs_done(self, gids, call, grads):
-        if call[0]:  # this call's backward is done
-            call[0] = False
+        if call[1]:
+            return
+        call[1] = True  # (before it was reached: the module passed an input through as an output)
+        self.calls_seen.append(call)
+        if call[0]:
             for g in gids:
                 self.inputs_left[g] -= 1
                 self._free_in_backward(g)
@@ -1256,30 +1266,39 @@ class ShardedParameters:
     def _pre_backward(self, gids, call):
         self.gradients.begin()
         self._gather(gids)
-        if call is not None and not call[0]:  # (once per call, whatever its number of outputs)
+        if call == [False, False]:  # reached (once per call, whatever its number of outputs)
             call[0] = True
+            self.calls_seen.append(call)
             for g in gids:
                 self.inputs_left[g] += 1
         self._prefetch(gids, -1)
 
     def on_grad(self, p):
         g = self.group_of[p]
-        self.grads_left[g] -= 1
+        self._grads_left()[g] -= 1
         self._free_in_backward(g)
+
+    def _grads_left(self):
+        """Per group, the gradients still to come in this backward: its trainable parameters,
+        counted at the first use in a backward (requires_grad as the forward saw it)."""
+        if self.grads_left is None:
+            self.grads_left = [sum(p.requires_grad for p in members) for members in self.groups]
+        return self.grads_left
 
     def _free_in_backward(self, g):
         """Backward is done with group g once every trainable parameter in it has its gradient
-        and every call that holds a frozen one has its inputs' gradients."""
-        if self.grads_left[g] <= 0 and self.inputs_left[g] == 0:
+        and every call of it with a frozen parameter has its inputs' gradients."""
+        if self._grads_left()[g] <= 0 and self.inputs_left[g] == 0 and not self.pinned[g]:
             self._wait_gathered(g)  # never free a buffer an all-gather still writes into
             self._free(self.buffers[g])
 
     def _new_backward(self):
-        # requires_grad as it is now, for the next backward and the forwards before it: a parameter
-        # frozen or unfrozen in between is counted as before, which keeps its group gathered longer
-        self.grads_left = [sum(p.requires_grad for p in members) for members in self.groups]
-        self.has_frozen = [n < len(members) for n, members in zip(self.grads_left, self.groups)]
-        self.inputs_left = [0] * len(self.groups)  # calls backward has reached, their inputs' gradients to come
+        self.grads_left = None
+        self.inputs_left = [0] * len(self.groups)  # calls reached whose inputs' gradients are to come
+        self.pinned = [False] * len(self.groups)  # kept to the end of backward (see _watch_inputs)
+        for call in self.calls_seen:  # a retained graph's next backward reaches them again
+            call[:] = [False, False]
+        self.calls_seen = []
 
     def on_backward_end(self):
         self._finish_prefetch()
@@ -1637,16 +1656,19 @@ def save_checkpoint(path, model, optimizer, **extra):
     path.partial and are renamed to `path` only once every rank's are complete and the manifest
     is written: a crash mid-save leaves no directory that looks like a checkpoint. extra: this
     rank's own values (e.g. the step, its data generator's state), given back by load_checkpoint.
-    Holds the rank's own state plus one shard-sized tensor at a time."""
+    Holds the rank's own state plus one own-space tensor at a time (stage 0: the flat space)."""
     opt, path = _engine(model), pathlib.Path(path)
     part, group = opt.partition, opt.partition.group
     partial = path.with_name(path.name + ".partial")
     if path.exists():
         raise FileExistsError(f"{path} exists: save each checkpoint into a new directory (e.g. step_000100)")
-    if part.rank == 0:
+    _refuse_pending_gradients(opt, "save_checkpoint", "they are not saved")
+
+    def make_partial():
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    dist.barrier(group=group)
+
+    _on_rank0(group, f"saving {path}", make_partial)
     opt.parameters.wait()
     files, (keys, scalars), error = {}, opt._all_states(), None
     buckets = range(len(part.buckets))
@@ -1663,9 +1685,11 @@ def save_checkpoint(path, model, optimizer, **extra):
             _write(partial, files, f"rank{part.rank}.{key}.pt")
         for key, value in extra.items():  # load_checkpoint reads with weights_only=True
             _loadable(value, f"extra {key}={type(value).__name__}")
-        buffers = dict(model.named_buffers())  # persistent: in a state_dict (a RoPE cache is not)
+        buffers = _persistent_buffers(model)
         files[f"rank{part.rank}.rest.pt"] = {"rng": torch.get_rng_state(), "extra": extra, "buffers": buffers,
-                                             "persistent": [n for n in model.state_dict(keep_vars=True) if n in buffers]}
+                                             "persistent": list(buffers)}
+        if part.device.type == "cuda":  # the device's own generator (dropout on the GPU)
+            files[f"rank{part.rank}.rest.pt"]["cuda_rng"] = torch.cuda.get_rng_state(part.device)
         _write(partial, files, f"rank{part.rank}.rest.pt")
         if part.rank == 0:  # every parameter's scalar states (AdamW's step), one file for all
             files["scalars.pt"] = scalars
@@ -1679,12 +1703,39 @@ def save_checkpoint(path, model, optimizer, **extra):
     if any(err for err, _ in everyone):
         raise RuntimeError(f"saving {path} failed, the checkpoint was not written: "
                            f"{'; '.join(err for err, _ in everyone if err)}")
-    if part.rank == 0:
+
+    def publish():
         manifest.update(format=FORMAT, torch=torch.__version__, nd=part.nd, state_keys=keys,
                         files={name: digest for _, f in everyone for name, digest in f.items()})
         (partial / "manifest.json").write_text(json.dumps(manifest, indent=1))
         os.replace(partial, path)  # atomic: the checkpoint appears whole or not at all
-    dist.barrier(group=group)
+
+    _on_rank0(group, f"saving {path}", publish)
+
+
+def _on_rank0(group, what, fn):
+    """fn() on rank 0, then every rank raises if it failed: none is left waiting for rank 0."""
+    error = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            fn()
+        except Exception as e:
+            error[0] = f"rank 0: {type(e).__name__}: {e}"
+    dist.broadcast_object_list(error, group_src=0, group=group)
+    if error[0]:
+        raise RuntimeError(f"{what} failed, the checkpoint was not written: {error[0]}")
+
+
+def _refuse_pending_gradients(opt, what, why):
+    if opt.gradients.micro_batches > 0 and not opt.gradients.stepped:
+        raise RuntimeError(f"{what} after a backward whose gradients no step has used: {why}; call it after "
+                           f"optimizer.step() or optimizer.zero_grad()")
+
+
+def _persistent_buffers(model):
+    """{name: buffer} of the buffers a state_dict holds (not a non-persistent one, e.g. a RoPE cache)."""
+    buffers = dict(model.named_buffers())
+    return {name: buffers[name] for name in model.state_dict(keep_vars=True) if name in buffers}
 
 
 def _loadable(value, what):
@@ -1768,14 +1819,20 @@ def load_checkpoint(path, model, optimizer):
     weights, optimizer states, loss scale, buffers, this rank's RNG state and extra (returned).
     Any Nd, stage or bucket size; the checkpoint is checked whole before anything is written."""
     opt, path = _engine(model), pathlib.Path(path)
+    _refuse_pending_gradients(opt, "load_checkpoint", "they would be added to the loaded weights' next step")
     manifest = _read_manifest(path)
     part = opt.partition
     problems = [f"{name}: {why}" for i, name in enumerate(sorted(manifest["files"])) if i % part.nd == part.rank
                 for why in [_damage(path / name, *manifest["files"][name])] if why]
     problems += _mismatch(opt, model, manifest)
     reader = CheckpointReader(path, manifest)
+    live = _persistent_buffers(model)
     try:  # the small files are unpickled now, so one that fails does before anything is written
         rest, buffers, scalars = reader.rest(part.rank % manifest["nd"]), reader.rest(0)["buffers"], reader.scalars()
+        saved = {n: list(buffers[n].shape) for n in reader.rest(0).get("persistent", buffers)}
+        here = {n: list(b.shape) for n, b in live.items()}
+        problems += [f"another model: buffer {n} is {here.get(n, 'not in this model')} here, "
+                     f"{saved.get(n, 'not')} saved" for n in sorted(set(saved) | set(here)) if saved.get(n) != here.get(n)]
     except Exception as e:
         problems.append(f"rank{part.rank % manifest['nd']}.rest.pt, rank0.rest.pt or scalars.pt cannot be read: "
                         f"{type(e).__name__}: {str(e).splitlines()[0]}")
@@ -1803,10 +1860,12 @@ def load_checkpoint(path, model, optimizer):
     for group, saved in zip(opt.param_groups, manifest["param_groups"]):
         group.update({k: _as_held(group.get(k), v) for k, v in saved.items() if k != "params"})
     opt.loss_scale, opt.clean_steps = manifest["loss_scale"], manifest["clean_steps"]
-    for name, b in model.named_buffers():
+    for name, b in live.items():
         b.copy_(buffers[name])
     if manifest["nd"] == part.nd:  # each rank its own random stream; at another Nd the streams differ
         torch.set_rng_state(rest["rng"])
+        if "cuda_rng" in rest and part.device.type == "cuda":
+            torch.cuda.set_rng_state(rest["cuda_rng"], part.device)
     return rest["extra"]
 
 
@@ -1900,7 +1959,11 @@ def _read_manifest(path):
             "its save did not finish (a .partial directory)" if path.name.endswith(".partial") else \
             "it has no manifest.json, so its save never completed or it is not a zero checkpoint"
         raise CheckpointError(f"{path} is not a checkpoint: {why}; load a directory save_checkpoint wrote")
-    manifest = json.loads((path / "manifest.json").read_text())
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}/manifest.json cannot be read ({e}): the checkpoint is damaged; load an "
+                              f"earlier one") from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {manifest.get('format')}; this zero.py reads format {FORMAT}")
     return manifest
