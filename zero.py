@@ -853,9 +853,9 @@ class GradientBuckets:
         part, i = self.partition, self.partition.index[p]
         if self.used[i]:  # its bucket may be reduced already: the second part would be lost
             raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient twice in one backward: a "
-                               f"module called more than once inside torch.utils.checkpoint(use_reentrant=True), "
-                               f"which runs a backward of its own per call; use use_reentrant=False "
-                               f"(or zero.checkpoint_activations)")
+                               f"module called more than once inside torch.utils.checkpoint(use_reentrant=True) "
+                               f"(or used inside and outside it), which runs a backward of its own per call; use "
+                               f"use_reentrant=False (or zero.checkpoint_activations)")
         self.used[i] = True
         grad, a = p.grad.view(-1), part.offsets[i]
         for k, lo, hi in part.segments_of[i]:  # copy into the bucket(s) it falls in
