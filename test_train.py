@@ -131,6 +131,7 @@ def test_resumed_data_streams_are_each_ranks_own_at_any_dp():
     assert not any(torch.equal(batch, draw(train.data_stream(0, 0, 1))) for batch in first)
 
 
+@pytest.mark.slow  # five torchrun launches: about 3 minutes on 2 cores
 @pytest.mark.xdist_group("train")
 def test_train_with_tp_saves_each_slice_and_resumes(tmp_path):
     """At --tp 2 each tp rank's slice of the model is a checkpoint of its own (step_N/tp0, tp1),
