@@ -96,11 +96,55 @@ def test_stage3_meta_init_holds_no_more_than_the_shard_and_one_unit(world):
         assert 4 * psi > unit + bucket  # the bound leaves no room for a whole model
 
 
+class LinearWithBuffer(nn.Linear):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("scale", torch.ones(1, device=kwargs.get("device")))
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        if hasattr(self, "scale"):
+            self.scale.fill_(1.0)
+
+
+def on_rank_peak_with_buffers():
+    before = zero.live_storages()
+    new_bytes = lambda: sum(s.nbytes() for k, s in zero.live_storages().items() if k not in before)
+    torch.manual_seed(0)
+    module = nn.Sequential(*[LinearWithBuffer(256, 256, bias=False, device="meta") for _ in range(8)])
+    samples = []
+
+    def init_fn(m):
+        m.reset_parameters()
+        samples.append(new_bytes())
+
+    model, opt = zero.initialize(module, torch.optim.SGD, stage=3, bucket_numel=2**16, init_fn=init_fn, lr=0.1)
+    return max(samples), new_bytes(), 256 * 256 * 4
+
+
+@pytest.mark.xdist_group("world4")
+def test_stage3_meta_init_of_modules_with_buffers_holds_the_shard_and_one_module(world):
+    """A module that holds a buffer is initialised with its parameters, bucket by bucket, not all
+    at once when the buffers are made (8 such layers, 2 MB, would otherwise all be whole at once;
+    a rank at Nd 4 keeps 1 MB)."""
+    for peak, held, module in world(4).run(on_rank_peak_with_buffers):
+        print(f"peak {peak} B = held {held} + {peak - held} (one module: {module} B)")
+        assert peak <= held + module + 2**16 * 4
+
+
 def on_rank_meta_bad_inputs():
     def half_meta():
         module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
         zero.initialize(module, torch.optim.AdamW, stage=3, init_fn=lambda m: m.reset_parameters())
+    def forgets_a_bias(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight)
     cases = {
+        "init_fn left ['bias'] of Linear unset (NaN): init_fn(m) must fill every parameter": lambda: zero.initialize(
+            nn.Sequential(nn.Linear(4, 4, device="meta")), torch.optim.AdamW, stage=1, init_fn=forgets_a_bias),
+        "init_fn left ['in_proj_weight', 'in_proj_bias'] of MultiheadAttention unset": lambda: zero.initialize(
+            nn.MultiheadAttention(8, 2, device="meta"), torch.optim.AdamW, stage=3,
+            init_fn=lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None),
         "on the meta device: pass init_fn": lambda: zero.initialize(
             nn.Linear(4, 4, device="meta"), torch.optim.AdamW, stage=3),
         "build the whole module on meta": half_meta,

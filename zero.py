@@ -356,7 +356,8 @@ class MetaInit:
             if any(b.is_meta for b in m.buffers(recurse=False)):
                 for name, b in m.named_buffers(recurse=False):
                     setattr(m, name, torch.empty_like(b, device=device))
-                self._materialize(m)
+                if not any(self.owner[p] is m for p in m.parameters(recurse=False)):
+                    self._materialize(m)  # else init_fn fills them with its parameters, bucket by bucket
 
     def values(self, k):
         """Bucket k's parameter values, padded with zeros, initialised on this rank."""
@@ -387,8 +388,18 @@ class MetaInit:
                 scratch = torch.nn.Parameter(torch.empty_like(p), p.requires_grad)
                 scratch.__dict__.update(p.__dict__)
                 setattr(m, name, scratch)
+        mine = [(name, t) for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+                if t.is_floating_point() and name not in shared]
+        with torch.no_grad():
+            for name, t in mine:
+                t.fill_(math.nan)  # what init_fn leaves unset stays NaN, and is caught below
         self.materialized.add(m)
         self.init_fn(m)
+        unset = [name for name, t in mine if t.isnan().any()]
+        if unset:
+            raise ValueError(f"init_fn left {unset} of {type(m).__name__} unset (NaN): init_fn(m) must fill every "
+                             f"parameter and floating-point buffer m holds itself (e.g. nn.MultiheadAttention has "
+                             f"no reset_parameters: fill its in_proj_weight, in_proj_bias)")
         for name, p in shared.items():
             setattr(m, name, p)
 
