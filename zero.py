@@ -389,7 +389,7 @@ class MetaInit:
                 scratch.__dict__.update(p.__dict__)
                 setattr(m, name, scratch)
         mine = [(name, t) for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
-                if t.is_floating_point() and name not in shared]
+                if t.is_floating_point() and not t.is_meta and name not in shared]  # (meta: nothing to check)
         with torch.no_grad():
             for name, t in mine:
                 t.fill_(math.nan)  # what init_fn leaves unset stays NaN, and is caught below
