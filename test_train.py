@@ -95,11 +95,26 @@ def test_train_loss_curves_are_identical_for_stages_0_and_3(tmp_path):
     (["--tp", "2"], "--tp 2 does not divide the world size 1"),
     (["--seq_len", "4096"], "exceeds the nano model's block_size 128"),
     (["--steps", "0"], "--steps must be at least 1"),
+    (["--lr", "0"], "--lr must be above 0"),
+    (["--weight_decay", "-1"], "--weight_decay must be 0 or more"),
+    (["--contiguous"], "add --checkpoint full, P_a or P_a+cpu"),
+    (["--data", os.path.join(HERE, ".gitignore"), "--seq_len", "100"], "use a corpus of 1020 bytes or more"),
 ])
 def test_train_bad_flags_say_what_to_change(flags, message):
     proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *flags], capture_output=True,
                           text=True, timeout=120, cwd=HERE)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_train_stops_where_the_loss_diverges_and_keeps_its_log(tmp_path):
+    out = tmp_path / "run.json"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--lr", "1000", "--steps", "6",
+                           "--batch_size", "2", "--seq_len", "32", "--data", os.path.join(HERE, "zero.py"),
+                           "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=HERE)
+    log = json.loads(out.read_text())
+    print(log["diverged"], [row["loss"] for row in log["log"]])
+    assert proc.returncode != 0 and "training diverged; lower --lr (now 1000)" in proc.stderr, proc.stderr[-2000:]
+    assert not math.isfinite(log["log"][-1]["loss"]) and len(log["log"]) < 6 and log["sample"] is None
 
 
 @pytest.mark.xdist_group("train")
@@ -113,6 +128,17 @@ def test_train_resumed_from_a_checkpoint_gives_the_uninterrupted_losses(tmp_path
                                 "--resume", str(tmp_path / "a" / "step_000020"))
     assert "resumed from" in stdout and "saved" in stdout
     assert [row["loss"] for row in resumed["log"]] == [row["loss"] for row in whole["log"]][20:]
+    # a resume that would silently change the run, or has nothing left to train, stops first
+    for more, message in ((["--weight_decay", "5.0"], "belongs to a run with --weight_decay 0.1 (now 5.0)"),
+                          (["--steps", "60"], "--steps 40 (now 60)"),
+                          (["--seed", "1"], "--seed 1337 (now 1)")):
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *flags, *more, "--resume",
+                               str(tmp_path / "a" / "step_000020")], capture_output=True, text=True, timeout=120,
+                              cwd=HERE)
+        assert proc.returncode != 0 and message in proc.stderr and "step   20" not in proc.stdout, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *flags, "--resume",
+                           str(tmp_path / "a" / "step_000040")], capture_output=True, text=True, timeout=120, cwd=HERE)
+    assert proc.returncode != 0 and "is the end of its run (step 40 of --steps 40)" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_resumed_data_streams_are_each_ranks_own_at_any_dp():

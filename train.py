@@ -65,6 +65,14 @@ def parse_args(argv=None):
     for name in ("steps", "batch_size", "seq_len", "eval_every", "tp", "grad_accum", "bucket_numel"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    for name, low in (("lr", "above 0"), ("weight_decay", "0 or more"), ("grad_clip", "0 (off) or more")):
+        value = getattr(args, name)
+        if not (value > 0 if name == "lr" else value >= 0):
+            p.error(f"--{name} must be {low} (got {value:g})")
+    if args.contiguous and args.checkpoint == "none":
+        p.error("--contiguous keeps activation checkpoints in one buffer: add --checkpoint full, P_a or P_a+cpu")
+    if args.out and pathlib.Path(args.out).is_dir():
+        p.error(f"--out {args.out} is a directory: give a file path, e.g. {args.out}/run.json")
     if args.seq_len > PRESETS[args.model].block_size:
         p.error(f"--seq_len {args.seq_len} exceeds the {args.model} model's block_size "
                 f"{PRESETS[args.model].block_size}: use --seq_len {PRESETS[args.model].block_size} or less")
@@ -199,7 +207,14 @@ def checkpoint_part(path, tp, tp_rank):
 
 
 def saved_tp(path):
-    return len(list(pathlib.Path(path).glob("tp*/manifest.json"))) or 1
+    """How many tp slices the checkpoint was saved as (a slice whose save did not finish counts)."""
+    return len({d.name.removesuffix(".partial") for d in pathlib.Path(path).glob("tp*") if d.is_dir()}) or 1
+
+
+# The flags that define a run: a resumed run must repeat them (the learning-rate schedule, the
+# batches and the optimizer's options follow from them); stage, tp, dp and buckets may change.
+RUN_FLAGS = ("model", "steps", "lr", "weight_decay", "batch_size", "seq_len", "grad_accum", "grad_clip", "dtype",
+             "seed", "data")
 
 
 def complete(path, tp):
@@ -245,7 +260,9 @@ def main(argv=None):
     split = int(0.9 * len(data))
     train_data, val_data = data[:split], data[split:]
     if len(val_data) <= args.seq_len + 1:
-        raise SystemExit(f"the corpus ({len(data)} bytes) is too short for --seq_len {args.seq_len}")
+        raise SystemExit(f"the corpus ({len(data)} bytes) is too short for --seq_len {args.seq_len}: its last 10% "
+                         f"(the validation split) must hold more than seq_len + 1 bytes: use a corpus of "
+                         f"{10 * (args.seq_len + 2)} bytes or more, or a shorter --seq_len")
 
     # memory on CPU is counted from the tensors alive; the corpus is not the model's
     baseline = zero.live_tensor_bytes() if device.type == "cpu" else 0
@@ -279,8 +296,23 @@ def main(argv=None):
         if tp_saved != args.tp:  # each tp slice has its own shapes
             raise SystemExit(f"--resume: {path} was saved with --tp {tp_saved}: resume with --tp {tp_saved} "
                              f"(any number of data-parallel ranks)")
-        extra = zero.load_checkpoint(checkpoint_part(path, args.tp, tp_rank), model, optimizer)
+        if not complete(path, tp_saved):
+            raise SystemExit(f"--resume: the save of {path} did not finish (a tp slice has no manifest.json): "
+                             f"resume from an earlier step")
+        try:
+            extra = zero.load_checkpoint(checkpoint_part(path, args.tp, tp_rank), model, optimizer)
+        except zero.CheckpointError as e:
+            raise SystemExit(f"--resume: {e}") from None
+        changed = [f"--{k} {extra['run'][k]} (now {getattr(args, k)})" for k in RUN_FLAGS
+                   if k in extra.get("run", {}) and extra["run"][k] != getattr(args, k)]
+        if changed:
+            raise SystemExit(f"--resume: {path} belongs to a run with {', '.join(changed)}: resume with the run's "
+                             f"flags (its learning-rate schedule, batches and optimizer options follow from them), "
+                             f"or start a new run")
         first = extra["step"]
+        if first >= args.steps:
+            raise SystemExit(f"--resume: {path} is the end of its run (step {first} of --steps {args.steps}): "
+                             f"nothing is left to train")
         gen = data_stream(args.seed, dp_rank, dp, first, extra)
         log(f"resumed from {path} at step {first}" + ("" if extra.get("dp") == dp else
             f" (saved at dp {extra.get('dp', '?')}, now dp {dp}: each rank draws a fresh data stream)"))
@@ -292,7 +324,7 @@ def main(argv=None):
         raise SystemExit(f"--save_dir: this run would save {taken[0]}, which exists: continue from the latest "
                          f"checkpoint there with --resume, or pass another --save_dir")
     tokens_per_step = args.batch_size * args.seq_len * dp * args.grad_accum
-    history, val_history = [], []
+    history, val_history, diverged = [], [], None
     for step in range(first, args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
@@ -336,26 +368,36 @@ def main(argv=None):
             f"model states {state_mb:6.2f} MB/rank | peak " + ("     -" if peak is None else f"{peak:6.2f}") + " MB/rank"
             + (" (measured: slower step)" if measure and device.type == "cpu" else "")
             + ("" if stepped else f" | overflow: step skipped, loss scale now {optimizer.loss_scale:g}"))
+        if not math.isfinite(mean_loss):  # the same value on every rank: all stop here
+            diverged = f"step {step}: the loss is {mean_loss}: training diverged; lower --lr (now {args.lr:g})"
+            break
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
             val = evaluate(model, val_data, args, device, dp_group, dp)
             val_history.append(dict(step=step, val_loss=val))
             log(f"step {step:4d} | validation loss {val:.4f}")
         path = checkpoint_dir(args, step)
         if path:
-            save(path, args, tp_group, model, optimizer, step=step + 1, dp=dp, data=gen.get_state())
+            save(path, args, tp_group, model, optimizer, step=step + 1, dp=dp, data=gen.get_state(),
+                 run={k: getattr(args, k) for k in RUN_FLAGS})
             log(f"step {step:4d} | saved {path}")
 
     # a sample: every rank runs the same generation (stage 3 gathers parameters collectively,
     # tp ranks must draw the same tokens), rank 0 prints it
-    prompt = torch.tensor([list(b"def ")], device=device)
-    out = model.generate(prompt, 200, temperature=0.7, top_k=50, generator=torch.Generator().manual_seed(args.seed))
-    sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
-    log("-" * 40 + " sample " + "-" * 40 + "\n" + sample.expandtabs(4) + "\n" + "-" * 88)  # tabs shown as 4 spaces
+    sample = None
+    if not diverged:
+        prompt = torch.tensor([list(b"def ")], device=device)
+        out = model.generate(prompt, 200, temperature=0.7, top_k=50,
+                             generator=torch.Generator().manual_seed(args.seed))
+        sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
+        log("-" * 40 + " sample " + "-" * 40 + "\n" + sample.expandtabs(4) + "\n" + "-" * 88)  # tabs as 4 spaces
     if args.out and rank == 0:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # --out out/run.json in a fresh clone
         pathlib.Path(args.out).write_text(json.dumps(dict(args=vars(args), world=world, backend=backend,
-                                                          log=history, val=val_history, sample=sample), indent=1))
+                                                          log=history, val=val_history, sample=sample,
+                                                          diverged=diverged), indent=1))
     dist.destroy_process_group()
+    if diverged:
+        raise SystemExit(diverged)
     return history
 
 
