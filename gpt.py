@@ -432,6 +432,8 @@ class GPT(nn.Module):
         """
         if temperature < 0:
             raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k={top_k} must be at least 1, or None to sample from every token")
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size:])              # (B, 1, V)
             logits = logits[:, -1, :]                                       # (B, V)

@@ -429,6 +429,10 @@ def _gpt_negative_temperature(group):
     GPT(PRESETS["tiny"], tp_group=group).generate(torch.zeros(1, 1, dtype=torch.long), 1, temperature=-1.0)
 
 
+def _gpt_top_k_0(group):
+    GPT(PRESETS["tiny"], tp_group=group).generate(torch.zeros(1, 1, dtype=torch.long), 1, top_k=0)
+
+
 @pytest.mark.parametrize("tp, build, message", [
     _tp(1, _gpt_n_embd_100_n_head_3, "n_embd=100 is not divisible by n_head=3: choose n_head in {1, 2, 4, 5, 10, 20, 25, 50, 100}"),
     _tp(1, _gpt_too_long, "sequence length T=129 exceeds block_size=128: crop the input to its last 128 tokens"),
@@ -437,6 +441,7 @@ def _gpt_negative_temperature(group):
     _tp(4, _column_out_6, "out_features=6 is not divisible by tp=4: choose tp in {1, 2, 3, 6}"),
     _tp(4, _row_in_6, "in_features=6 is not divisible by tp=4: choose tp in {1, 2, 3, 6}"),
     _tp(2, _gpt_negative_temperature, "temperature=-1.0 must be >= 0 (0: greedy)"),
+    _tp(1, _gpt_top_k_0, "top_k=0 must be at least 1, or None to sample from every token"),
 ])
 def test_bad_input_raises_value_error_naming_the_fix(world, tp, build, message):
     for got in _on_ranks(world, tp, _value_error, build):

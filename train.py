@@ -73,6 +73,10 @@ def parse_args(argv=None):
         p.error("--contiguous keeps activation checkpoints in one buffer: add --checkpoint full, P_a or P_a+cpu")
     if args.out and pathlib.Path(args.out).is_dir():
         p.error(f"--out {args.out} is a directory: give a file path, e.g. {args.out}/run.json")
+    n_head = PRESETS[args.model].n_head
+    if n_head % args.tp:
+        p.error(f"--tp {args.tp} does not divide the {args.model} model's {n_head} attention heads: choose --tp in "
+                f"{{{', '.join(str(d) for d in range(1, n_head + 1) if n_head % d == 0)}}}")
     if args.seq_len > PRESETS[args.model].block_size:
         p.error(f"--seq_len {args.seq_len} exceeds the {args.model} model's block_size "
                 f"{PRESETS[args.model].block_size}: use --seq_len {PRESETS[args.model].block_size} or less")
