@@ -264,7 +264,8 @@ class WithAux(torch.nn.Module):
 
 def on_rank_evaluate_then_load(path, stage):
     torch.manual_seed(0)
-    model, opt = zero.initialize(WithAux(), torch.optim.AdamW, stage=stage, lr=torch.tensor(0.01))  # a tensor lr
+    model, opt = zero.initialize(WithAux(), torch.optim.AdamW, stage=stage, lr=torch.tensor(0.01),  # tensor options
+                                 betas=(torch.tensor(0.9), torch.tensor(0.999)), foreach=False)
     step = lambda: (model(torch.randn(2, 64)).pow(2).mean().backward(), opt.step(), opt.zero_grad())
     step()
     zero.save_checkpoint(path, model, opt)
@@ -277,20 +278,26 @@ def on_rank_evaluate_then_load(path, stage):
     opt.param_groups[0]["lr"] = torch.tensor(0.5)
     zero.load_checkpoint(path, model, opt)
     plain = WithAux()
-    plain.load_state_dict(zero.consolidate(path)["model"])  # strict: no non-persistent buffer in it
+    consolidated = zero.consolidate(path)
+    plain.load_state_dict(consolidated["model"])  # strict: no non-persistent buffer in it
     with torch.no_grad():  # the loaded weights, not a copy gathered before the load
         same = torch.equal(model(torch.ones(2, 64)), plain(torch.ones(2, 64)))
-    return left, same, differences(want, plain.state_dict()), opt.param_groups[0]["lr"]
+    options = [{k: g[k] for k in ("lr", "betas")} for g in (opt.param_groups[0], consolidated["optimizer"]["param_groups"][0])]
+    return left, same, differences(want, plain.state_dict()), options
 
 
 @pytest.mark.xdist_group("world2")
 @pytest.mark.parametrize("stage", [1, 3])
 def test_load_after_an_evaluation_that_skipped_a_module(world, tmp_path, stage):
-    for left, same, differ, lr in world(2).run(on_rank_evaluate_then_load, str(tmp_path / "ckpt"), stage):
+    for left, same, differ, options in world(2).run(on_rank_evaluate_then_load, str(tmp_path / "ckpt"), stage):
         assert left == 0, f"{left} B still gathered after an evaluation that skipped a module"
         assert differ == [], f"consolidated state differs from the saved model's: {differ}"
         assert same, "the forward after load_checkpoint used other weights than the checkpoint's"
-        assert torch.is_tensor(lr) and torch.equal(lr, torch.tensor(0.01)), f"lr after load: {lr!r}"
+        for where, o in zip(("after load_checkpoint", "consolidated"), options):  # tensors, as given (a float lr
+            # would step to other bits than the tensor's)
+            assert torch.is_tensor(o["lr"]) and torch.equal(o["lr"], torch.tensor(0.01)), f"lr {where}: {o['lr']!r}"
+            assert all(torch.is_tensor(b) for b in o["betas"]), f"betas {where}: {o['betas']!r}"
+        assert isinstance(options[0]["betas"], tuple), options[0]["betas"]
 
 
 # -----------------------------------------------------------------------------------------

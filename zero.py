@@ -1783,7 +1783,7 @@ def _layout(opt, model):
         dtype=str(opt.weights_dtype).removeprefix("torch."),  # of the weights and the states
         param_dtype=str(opt.precision.param_dtype).removeprefix("torch."),
         optimizer=type(opt.optim).__name__,
-        param_groups=[{**{k: v.tolist() if torch.is_tensor(v) else v for k, v in g.items() if k != "params"},
+        param_groups=[{**{k: _as_json(v) for k, v in g.items() if k != "params"},
                        "params": [names[p] for p in members]}
                       for g, members in zip(opt.optim.param_groups, opt.group_members)],
         loss_scale=opt.loss_scale, clean_steps=opt.clean_steps)
@@ -1880,11 +1880,27 @@ def load_checkpoint(path, model, optimizer):
     return rest["extra"]
 
 
+def _as_json(option):
+    """A param_group option for the manifest: a tensor (a tensor lr, betas of tensors) as its
+    value and dtype, so that it comes back a tensor."""
+    if torch.is_tensor(option):
+        return {"tensor": option.tolist(), "dtype": str(option.dtype).removeprefix("torch.")}
+    if isinstance(option, (tuple, list)):
+        return [_as_json(x) for x in option]
+    return option
+
+
 def _as_held(live, saved):
-    """A param_group option read from the manifest (JSON) in the form the live group holds it."""
-    if isinstance(live, tuple):  # betas
-        return tuple(saved)
-    if torch.is_tensor(live):  # a tensor lr
+    """A param_group option read from the manifest in the form the live group holds it (None:
+    no live group, as in consolidate; a tuple comes back a list there, which torch accepts)."""
+    if isinstance(saved, dict) and "tensor" in saved:
+        device = live.device if torch.is_tensor(live) else "cpu"
+        return torch.tensor(saved["tensor"], dtype=getattr(torch, saved["dtype"]), device=device)
+    if isinstance(saved, list):
+        lives = list(live) if isinstance(live, (tuple, list)) and len(live) == len(saved) else [None] * len(saved)
+        held = [_as_held(a, b) for a, b in zip(lives, saved)]
+        return tuple(held) if isinstance(live, tuple) else held
+    if torch.is_tensor(live):  # a number saved for a tensor option
         return torch.tensor(saved, dtype=live.dtype, device=live.device)
     return saved
 
@@ -1913,7 +1929,8 @@ def consolidate(path, out=None):
         model[name] = b.float() if b.is_floating_point() else b
     scalars, state, groups, index = reader.scalars(), {}, [], 0
     for saved in manifest["param_groups"]:
-        groups.append({**saved, "params": list(range(index, index + len(saved["params"])))})
+        groups.append({**{k: _as_held(None, v) for k, v in saved.items() if k != "params"},
+                       "params": list(range(index, index + len(saved["params"])))})
         for name in saved["params"]:
             entry = {k: reader.param(name, k) for k in manifest["state_keys"]} if name in scalars else {}
             entry.update(scalars.get(name, {}))
