@@ -300,6 +300,37 @@ def test_load_after_an_evaluation_that_skipped_a_module(world, tmp_path, stage):
         assert isinstance(options[0]["betas"], tuple), options[0]["betas"]
 
 
+def on_rank_keys_per_group(path, stage):
+    """Adam with amsgrad=True in one group only: its parameters have max_exp_avg_sq, the others not."""
+    module = GPT(CONFIG, seed=1, device="meta")
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    rest = [p for p in module.parameters() if p.dim() < 2]
+    model, opt = zero.initialize(module, torch.optim.Adam, stage=stage, bucket_numel=700, init_fn=module.init_weights,
+                                 param_groups=[{"params": decay, "amsgrad": True}, {"params": rest}], lr=1e-2)
+    train(model, opt, 0, 1)
+    zero.save_checkpoint(path, model, opt)
+    zero.load_checkpoint(path, model, opt)
+    names = {id(w): opt.names[opt.partition.params[p.index]] for w, p in zip(opt.weights, opt.pieces)}
+    loaded = {names[id(w)]: sorted(opt.optim.state[w]) for w in opt.weights if w in opt.optim.state}
+    full = {name: sorted(state) for name, state in zero.full_optimizer_state(model).items()}
+    order = [n for n, p in model.named_parameters() if p.dim() >= 2] + [n for n, p in model.named_parameters()
+                                                                        if p.dim() < 2]
+    consolidated = {order[i]: sorted(state) for i, state in zero.consolidate(path)["optimizer"]["state"].items()}
+    return loaded, full, consolidated
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_each_parameter_keeps_the_state_keys_of_its_group(world, tmp_path, stage):
+    want = lambda name: ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if "weight" in name and "ln" not in name
+                                                      else []) + ["step"]
+    for loaded, full, consolidated in world(2).run(on_rank_keys_per_group, str(tmp_path / "ckpt"), stage):
+        print({name: len(keys) for name, keys in full.items()})
+        assert full and all(keys == want(name) for name, keys in full.items()), full
+        assert consolidated == full, consolidated
+        assert loaded and all(keys == want(name) for name, keys in loaded.items()), loaded
+
+
 # -----------------------------------------------------------------------------------------
 # Refuse what is broken: a clear error, and the live model untouched
 # -----------------------------------------------------------------------------------------

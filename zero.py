@@ -732,13 +732,13 @@ class ZeroOptimizer:
 
     def full_optimizer_state(self):
         """{parameter name: {state key: full tensor}}, as the optimizer would hold it whole."""
-        keys, scalars = self._all_states()  # which parameters have state, and its scalars (AdamW's step)
+        keys, scalars, keys_of = self._all_states()  # which parameters have state, which, its scalars
         params = {n: p for n, p in self.module.named_parameters() if n in scalars}  # in module order
         result = {name: {key: v.cpu() if torch.is_tensor(v) else v for key, v in scalars[name].items()}
                   for name in params}
         for key in keys:  # one gather per elementwise state
             full = self._to_flat(self._own_state(key))
-            for name, p in params.items():
+            for name, p in ((n, p) for n, p in params.items() if key in keys_of[n]):
                 a = self.partition.offsets[self.partition.index[p]]
                 result[name][key] = full[a:a + p.numel()].view(p.shape).clone()
         return result
@@ -746,21 +746,24 @@ class ZeroOptimizer:
     # For checkpoints: this rank's shard, read and written through its own space.
     def _all_states(self):
         """(the elementwise optimizer states' keys, {parameter name: its other states, e.g.
-        AdamW's step}) for every parameter with state, the same on every rank: one object gather
+        AdamW's step}, {parameter name: its elementwise keys (a group with amsgrad=True has one
+        more)}) for every parameter with state, the same on every rank: one object gather
         (a collective; a rank may hold no piece). Every piece of a parameter steps together, so
         the rank holding its first element speaks for it: O(parameters) gathered, at any Nd."""
-        part, keys, scalars = self.partition, set(), {}
+        part, keys, scalars, keys_of = self.partition, set(), {}, {}
         for piece, w in zip(self.pieces, self.weights):
             state = self.optim.state.get(w, {})
             elementwise = {key for key, v in state.items() if torch.is_tensor(v) and v.shape == w.shape}
             keys |= elementwise
             k, lo, hi = part.segments_of[piece.index][0]
             if state and part.holders(k, lo, lo + 1).start == part.rank:
-                scalars[self.names[part.params[piece.index]]] = {
-                    key: v for key, v in state.items() if key not in elementwise}
+                name = self.names[part.params[piece.index]]
+                scalars[name] = {key: v for key, v in state.items() if key not in elementwise}
+                keys_of[name] = sorted(elementwise)
         everyone = [None] * part.nd
-        dist.all_gather_object(everyone, (keys, scalars), group=part.group)
-        return sorted(set().union(*(k for k, _ in everyone))), {n: v for _, s in everyone for n, v in s.items()}
+        dist.all_gather_object(everyone, (keys, scalars, keys_of), group=part.group)
+        return (sorted(set().union(*(e[0] for e in everyone))), {n: v for e in everyone for n, v in e[1].items()},
+                {n: v for e in everyone for n, v in e[2].items()})
 
     def _own_state(self, key):
         own = torch.zeros(self.own_numel, dtype=self.weights_dtype, device=self.partition.device)
@@ -1681,7 +1684,7 @@ def save_checkpoint(path, model, optimizer, **extra):
 
     _on_rank0(group, f"saving {path}", make_partial)
     opt.parameters.wait()
-    files, (keys, scalars), error = {}, opt._all_states(), None
+    files, (keys, scalars, keys_of), error = {}, opt._all_states(), None
     buckets = range(len(part.buckets))
     try:
         for key in ["weights"] + keys:  # (shard_numel,): bucket k's chunk at own_k; one at a time
@@ -1716,7 +1719,7 @@ def save_checkpoint(path, model, optimizer, **extra):
                            f"{'; '.join(err for err, _ in everyone if err)}")
 
     def publish():
-        manifest.update(format=FORMAT, torch=torch.__version__, nd=part.nd, state_keys=keys,
+        manifest.update(format=FORMAT, torch=torch.__version__, nd=part.nd, state_keys=keys, state_keys_of=keys_of,
                         files={name: digest for _, f in everyone for name, digest in f.items()})
         (partial / "manifest.json").write_text(json.dumps(manifest, indent=1))
         os.replace(partial, path)  # atomic: the checkpoint appears whole or not at all
@@ -1863,7 +1866,7 @@ def load_checkpoint(path, model, optimizer):
     for key in manifest["state_keys"]:  # each state one own-space tensor; the pieces' states are views of it
         own = _read_own(opt, reader, key)
         for piece, w in zip(opt.pieces, opt.weights):
-            if opt.names[part.params[piece.index]] in scalars:  # only the parameters that had state
+            if key in _keys_of(manifest, scalars, opt.names[part.params[piece.index]]):  # the parameters that had it
                 opt.optim.state[w][key] = own[piece.own]
     for piece, w in zip(opt.pieces, opt.weights):
         for key, value in scalars.get(opt.names[part.params[piece.index]], {}).items():
@@ -1878,6 +1881,13 @@ def load_checkpoint(path, model, optimizer):
         if "cuda_rng" in rest and part.device.type == "cuda":
             torch.cuda.set_rng_state(rest["cuda_rng"], part.device)
     return rest["extra"]
+
+
+def _keys_of(manifest, scalars, name):
+    """The elementwise state keys parameter `name` had when saved (none: it had no state)."""
+    if name not in scalars:
+        return []
+    return manifest["state_keys_of"][name] if "state_keys_of" in manifest else manifest["state_keys"]
 
 
 def _as_json(option):
@@ -1932,7 +1942,7 @@ def consolidate(path, out=None):
         groups.append({**{k: _as_held(None, v) for k, v in saved.items() if k != "params"},
                        "params": list(range(index, index + len(saved["params"])))})
         for name in saved["params"]:
-            entry = {k: reader.param(name, k) for k in manifest["state_keys"]} if name in scalars else {}
+            entry = {k: reader.param(name, k) for k in _keys_of(manifest, scalars, name)}
             entry.update(scalars.get(name, {}))
             if entry:
                 state[index] = entry
