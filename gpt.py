@@ -93,10 +93,14 @@ def _tp(group):
     return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
 
 
+def divisors(n):
+    """n's divisors as an error message offers them: "{1, 2, 4}"."""
+    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+
+
 def _check_divisible(what, n, tp_size):
     if n % tp_size:
-        divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-        raise ValueError(f"{what}={n} is not divisible by tp={tp_size}: choose tp in {{{divisors}}}")
+        raise ValueError(f"{what}={n} is not divisible by tp={tp_size}: choose tp in {divisors(n)}")
 
 
 # ---------------------------------------------------------------------------
@@ -343,9 +347,8 @@ class GPT(nn.Module):
         self.config, self.tp_group = config, tp_group
         self.tp_size = _tp(tp_group)[0]
         if config.n_embd % config.n_head:
-            divisors = ", ".join(str(d) for d in range(1, config.n_embd + 1) if config.n_embd % d == 0)
             raise ValueError(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}: "
-                             f"choose n_head in {{{divisors}}}")
+                             f"choose n_head in {divisors(config.n_embd)}")
         _check_divisible("n_head", config.n_head, self.tp_size)  # then n_embd and 4*n_embd divide by tp too
         C = config.n_embd
         self.wte = VocabParallelEmbedding(config.vocab_size, C, tp_group, device=device)  # (V/tp, C)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import zero
-from gpt import GPT, PRESETS, make_mesh, num_params
+from gpt import GPT, PRESETS, divisors, make_mesh, num_params
 
 
 def parse_args(argv=None):
@@ -65,10 +65,11 @@ def parse_args(argv=None):
     for name in ("steps", "batch_size", "seq_len", "eval_every", "tp", "grad_accum", "bucket_numel"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1 (got {getattr(args, name)})")
-    for name, low in (("lr", "above 0"), ("weight_decay", "0 or more"), ("grad_clip", "0 (off) or more")):
-        value = getattr(args, name)
-        if not (value > 0 if name == "lr" else value >= 0):
-            p.error(f"--{name} must be {low} (got {value:g})")
+    if args.lr <= 0:
+        p.error(f"--lr must be above 0 (got {args.lr:g})")
+    for name, low in (("weight_decay", "0 or more"), ("grad_clip", "0 (off) or more")):
+        if getattr(args, name) < 0:
+            p.error(f"--{name} must be {low} (got {getattr(args, name):g})")
     if args.contiguous and args.checkpoint == "none":
         p.error("--contiguous keeps activation checkpoints in one buffer: add --checkpoint full, P_a or P_a+cpu")
     if args.out and pathlib.Path(args.out).is_dir():
@@ -76,7 +77,7 @@ def parse_args(argv=None):
     n_head = PRESETS[args.model].n_head
     if n_head % args.tp:
         p.error(f"--tp {args.tp} does not divide the {args.model} model's {n_head} attention heads: choose --tp in "
-                f"{{{', '.join(str(d) for d in range(1, n_head + 1) if n_head % d == 0)}}}")
+                f"{divisors(n_head)}")
     if args.seq_len > PRESETS[args.model].block_size:
         p.error(f"--seq_len {args.seq_len} exceeds the {args.model} model's block_size "
                 f"{PRESETS[args.model].block_size}: use --seq_len {PRESETS[args.model].block_size} or less")
@@ -252,8 +253,7 @@ def main(argv=None):
     backend, device = setup_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % args.tp:
-        raise SystemExit(f"--tp {args.tp} does not divide the world size {world}: choose --tp in "
-                         f"{{{', '.join(str(d) for d in range(1, world + 1) if world % d == 0)}}}")
+        raise SystemExit(f"--tp {args.tp} does not divide the world size {world}: choose --tp in {divisors(world)}")
     dp = world // args.tp
     dp_group, tp_group = make_mesh(dp, args.tp, device.type)
     dp_rank, tp_rank = dist.get_rank(dp_group), dist.get_rank(tp_group)

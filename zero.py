@@ -738,9 +738,10 @@ class ZeroOptimizer:
                   for name in params}
         for key in keys:  # one gather per elementwise state
             full = self._to_flat(self._own_state(key))
-            for name, p in ((n, p) for n, p in params.items() if key in keys_of[n]):
-                a = self.partition.offsets[self.partition.index[p]]
-                result[name][key] = full[a:a + p.numel()].view(p.shape).clone()
+            for name, p in params.items():
+                if key in keys_of[name]:  # (a group with amsgrad=False has no max_exp_avg_sq)
+                    a = self.partition.offsets[self.partition.index[p]]
+                    result[name][key] = full[a:a + p.numel()].view(p.shape).clone()
         return result
 
     # For checkpoints: this rank's shard, read and written through its own space.
@@ -750,20 +751,20 @@ class ZeroOptimizer:
         more)}) for every parameter with state, the same on every rank: one object gather
         (a collective; a rank may hold no piece). Every piece of a parameter steps together, so
         the rank holding its first element speaks for it: O(parameters) gathered, at any Nd."""
-        part, keys, scalars, keys_of = self.partition, set(), {}, {}
+        part, scalars, keys_of = self.partition, {}, {}
         for piece, w in zip(self.pieces, self.weights):
             state = self.optim.state.get(w, {})
             elementwise = {key for key, v in state.items() if torch.is_tensor(v) and v.shape == w.shape}
-            keys |= elementwise
             k, lo, hi = part.segments_of[piece.index][0]
             if state and part.holders(k, lo, lo + 1).start == part.rank:
                 name = self.names[part.params[piece.index]]
                 scalars[name] = {key: v for key, v in state.items() if key not in elementwise}
                 keys_of[name] = sorted(elementwise)
         everyone = [None] * part.nd
-        dist.all_gather_object(everyone, (keys, scalars, keys_of), group=part.group)
-        return (sorted(set().union(*(e[0] for e in everyone))), {n: v for e in everyone for n, v in e[1].items()},
-                {n: v for e in everyone for n, v in e[2].items()})
+        dist.all_gather_object(everyone, (scalars, keys_of), group=part.group)
+        scalars = {n: v for s, _ in everyone for n, v in s.items()}
+        keys_of = {n: v for _, ks in everyone for n, v in ks.items()}
+        return sorted(set().union(*keys_of.values())), scalars, keys_of
 
     def _own_state(self, key):
         own = torch.zeros(self.own_numel, dtype=self.weights_dtype, device=self.partition.device)
