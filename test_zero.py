@@ -595,6 +595,45 @@ def test_module_state_dict_load_state_dict_and_conversions_name_the_fix(world, s
             assert "state_dict" not in errors and "a submodule's state_dict" not in errors, errors
 
 
+def on_rank_stage3_parameters_read_outside_forward():
+    """What users do with parameters between steps: print one, log its norm, copy it. The freed
+    buffer behind a stage-3 parameter would crash the process (a segmentation fault) or hand
+    back freed memory; the parameter reads as NaN of its shape instead, and training goes on."""
+    net = make_model()
+    shapes = {name: p.shape for name, p in net.named_parameters()}
+    model, opt = zero.initialize(net, torch.optim.AdamW, stage=3, stage3_units=[net.fc1, net.fc2], lr=1e-2)
+    problems = []
+    for step in range(2):
+        x, y = batch(step)
+        F.cross_entropy(model(x, True, True).view(-1, VOCAB), y.view(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+        for name, p in model.named_parameters():
+            copy, text, norm = p.detach().clone(), str(p), p.norm()
+            if copy.shape != shapes[name] or not copy.isnan().all() or "nan" not in text or not norm.isnan():
+                problems.append(f"step {step} {name}: {tuple(copy.shape)}, {copy.flatten()[:3].tolist()}, {norm}")
+    before = zero.full_state_dict(model)
+    with torch.no_grad():  # a stand-in holds no values: writing into one changes no weight
+        for p in model.parameters():
+            try:
+                p.fill_(0.0)
+            except RuntimeError:  # (one of more than one element refuses writes)
+                pass
+    problems += compare("after writes into stand-ins", zero.full_state_dict(model), before)
+    x, y = batch(2)  # the next step still trains on the shards
+    F.cross_entropy(model(x, True, True).view(-1, VOCAB), y.view(-1)).backward()
+    opt.step()
+    return problems + [f"{name} unchanged by a step" for name, v in zero.full_state_dict(model).items()
+                       if name in shapes and shapes[name].numel() and torch.equal(v, before[name])
+                       and name != "frozen.weight" and name != "frozen.bias"]
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage3_parameters_read_outside_forward_as_nan_of_their_shape(world):
+    for problems in world(2).run(on_rank_stage3_parameters_read_outside_forward):
+        assert problems == [], problems
+
+
 # -----------------------------------------------------------------------------------------
 # Nothing leaks: dropping the model and the optimizer frees everything zero.initialize made,
 # as with a plain module and torch.optim.AdamW

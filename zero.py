@@ -702,8 +702,8 @@ class ZeroOptimizer:
     def model_state_bytes(self):
         """Bytes of this rank's parameters, gradients and optimizer states: the distinct storages
         that hold them (one freed by stage 3 counts 0)."""
-        tensors = [t for p in self.partition.params for t in (p, p.grad) if t is not None]
-        tensors += self.parameters.storages() + self.gradients.storages()
+        tensors = [p.grad for p in self.partition.params if p.grad is not None]
+        tensors += self.parameters.storages() + self.gradients.storages()  # the parameters are views of these
         tensors += [t for t in (self.master, self.grads) if t is not None]
         tensors += [v for state in self.optim.state.values() for v in state.values() if torch.is_tensor(v)]
         storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
@@ -1068,7 +1068,7 @@ class ShardedParameters:
         self.group_buckets = [sorted({k for p in members for k, lo, hi in partition.segments_of[partition.index[p]]})
                               for members in groups]
         self.group_buckets = [range(ks[0], ks[-1] + 1) if ks else range(0) for ks in self.group_buckets]
-        self.groups, self.dtype, self.buffers = groups, dtype, []  # a buffer per group, made by bind()
+        self.groups, self.dtype, self.buffers, self.views = groups, dtype, [], []  # per group, made by bind()
         self.calls_seen = []  # the calls this backward reached or passed
         self._new_backward()
         self.refcount = [0] * len(groups)
@@ -1092,16 +1092,23 @@ class ShardedParameters:
         self.shard[self.partition.own(k)].copy_(values[self.partition.rank * chunk:(self.partition.rank + 1) * chunk])
 
     def bind(self):
-        """Each parameter becomes a view into its group's buffer, empty until gathered (made and
-        freed one at a time, so none is ever whole here)."""
+        """Each parameter is a view into its group's buffer while gathered (the buffers are made
+        and freed one at a time, so none is ever whole here). Freed, it is a stand-in of its
+        shape, dtype and device that reads as NaN: it has no values on this rank, and reading
+        the freed buffer itself would crash the process. (A stand-in holds one element; one of a
+        parameter with one element is its own.)"""
         part = self.partition
+        nan = torch.full((), math.nan, dtype=self.dtype, device=part.device)
         for ks, members in zip(self.group_buckets, self.groups):
             buf = torch.empty(sum(part.buckets[k].chunk for k in ks) * part.nd, dtype=self.dtype, device=part.device)
+            views = []  # (parameter, its view into buf, its stand-in)
             for p in members:
                 a = part.offsets[part.index[p]] - (part.buckets[ks[0]].start if ks else 0)
-                p.data = buf[a:a + p.numel()].view(p.shape)
-            self._free(buf)
+                stand_in = (nan.clone() if p.numel() == 1 else nan).expand(p.shape)
+                views.append((p, buf[a:a + p.numel()].view(p.shape), stand_in))
             self.buffers.append(buf)
+            self.views.append(views)
+            self._free(len(self.buffers) - 1)
 
     def view(self, piece):
         return self.shard[piece.own]
@@ -1117,8 +1124,8 @@ class ShardedParameters:
     def after_step(self, frozen_too=False):
         """The shard changed (a step, a loaded checkpoint): no gathered copy may outlive it."""
         self._finish_prefetch()
-        for buf in self.buffers:
-            self._free(buf)
+        for g in range(len(self.groups)):
+            self._free(g)
 
     def wait(self):
         pass
@@ -1127,11 +1134,12 @@ class ShardedParameters:
         return self.partition.to_flat(self.shard)
 
     def storages(self):
-        return [self.shard] + self.buffers
+        return [self.shard] + self.buffers + [stand_in for views in self.views for p, view, stand_in in views]
 
-    @staticmethod
-    def _free(buf):
-        buf.untyped_storage().resize_(0)
+    def _free(self, g):
+        self.buffers[g].untyped_storage().resize_(0)
+        for p, view, stand_in in self.views[g]:
+            p.data = stand_in
 
     @staticmethod
     def _refuse_state_dict(module, prefix, keep_vars):
@@ -1153,6 +1161,8 @@ class ShardedParameters:
                 continue  # gathered already (or on its way)
             self._check_same_group(g)
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+            for p, view, stand_in in self.views[g]:
+                p.data = view
             start = part.buckets[self.group_buckets[g][0]].start
             # one all-gather per bucket, from every rank's shard into the parameters' own buffer
             works = [part.all_gather(buf[part.flat_range(k).start - start:part.flat_range(k).stop - start],
@@ -1222,7 +1232,7 @@ class ShardedParameters:
     def _release(self, gids):
         for g in gids:
             if self.refcount[g] == 0:
-                self._free(self.buffers[g])
+                self._free(g)
 
     def _post_forward(self, gids, out):
         call = self.calls[id(gids)].pop()
@@ -1305,7 +1315,7 @@ class ShardedParameters:
         and every call of it with a frozen parameter has its inputs' gradients."""
         if self._grads_left()[g] <= 0 and self.inputs_left[g] == 0 and not self.pinned[g]:
             self._wait_gathered(g)  # never free a buffer an all-gather still writes into
-            self._free(self.buffers[g])
+            self._free(g)
 
     def _new_backward(self):
         self.grads_left = None
@@ -1317,8 +1327,8 @@ class ShardedParameters:
 
     def on_backward_end(self):
         self._finish_prefetch()
-        for buf in self.buffers:
-            self._free(buf)
+        for g in range(len(self.groups)):
+            self._free(g)
         self._new_backward()
 
 
@@ -1442,30 +1452,16 @@ def checkpoint_activations(blocks, tp_group=None, partition=False, cpu=False, co
 def initialize(module, optimizer_class, stage, group=None, param_groups=None, bucket_numel=None,
                param_dtype=None, reduce_dtype=None, loss_scale=None, stage3_units=None, prefetch=1,
                reduction="exact", check_timeout=60, init_fn=None, device=None, tp_group=None, **optimizer_kwargs):
-    """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world).
-    Returns (module, optimizer): the same module, sharded and hooked, and the optimizer to step.
-    Every rank starts from rank 0's weights (docs/api.md has the long form of every argument).
+    """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world) and
+    return (module, optimizer): the same module, sharded and hooked, and the optimizer to step.
+    Every rank starts from rank 0's weights; docs/api.md describes every argument.
 
-    optimizer_class: a torch.optim class, its arguments as keywords; param_groups: optional
-        [{"params": [...], **options}] over the module's parameters.
-    init_fn, device: a module built on the meta device is initialised shard by shard on
-        `device`: init_fn(submodule) fills that submodule's own parameters once zero has
-        materialised them, the same values on every rank (e.g. gpt.py's model.init_weights).
-    bucket_numel: C_B, the elements of every reduce-scatter and all-gather (default:
-        default_bucket_numel(Nd), 2^22 up to Nd 64).
-    reduction: "exact" (rank-order sums, bit-reproducible) or "native" (the backend's).
-    param_dtype, reduce_dtype: 16-bit compute with an fp32 master; the dtype of the sums.
-    loss_scale: fp16's DynamicLossScale (the default for float16) or a static number; then
-        call optimizer.backward(loss).
-    stage3_units, prefetch, check_timeout: modules whose parameters stage 3 gathers together;
-        how many largest units' worth it gathers ahead; how long a rank waits at a gather.
-    tp_group: the tensor-parallel group of a module whose split parameters carry Megatron's
-        `tensor_model_parallel` attribute (gpt.py's): the gradient norm and fp16 overflow are
-        then the whole model's, the same on every tp rank.
-
-    At stages 1-2, step() returns with the all-gather of the updated parameters in flight:
-    each module's forward waits for its part; module.state_dict(), zero.full_state_dict(),
-    optimizer.wait_params() and the next step() wait for all of it.
+    optimizer_class and its keywords: a torch.optim class; param_groups: its groups, optional.
+    init_fn, device: a module built on the meta device, initialised shard by shard.
+    bucket_numel: C_B (default: default_bucket_numel(Nd)); reduction: "exact" or "native".
+    param_dtype, reduce_dtype, loss_scale: 16-bit compute over an fp32 master (Section 3.1).
+    stage3_units, prefetch, check_timeout: what stage 3 gathers together, how far ahead, and how
+        long a rank waits at a gather. tp_group: Megatron's tensor-parallel group (gpt.py).
     """
     param_groups = _groups(param_groups)
     _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
