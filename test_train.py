@@ -99,6 +99,7 @@ def test_train_loss_curves_are_identical_for_stages_0_and_3(tmp_path):
     (["--lr", "0"], "--lr must be above 0"),
     (["--weight_decay", "-1"], "--weight_decay must be 0 or more"),
     (["--contiguous"], "add --checkpoint full, P_a or P_a+cpu"),
+    (["--save_dir", os.path.join(HERE, "README.md")], "README.md is a file: give a directory"),
     (["--data", os.path.join(HERE, ".gitignore"), "--seq_len", "100"], "use a corpus of 1020 bytes or more"),
 ])
 def test_train_bad_flags_say_what_to_change(flags, message):

@@ -72,6 +72,8 @@ def parse_args(argv=None):
             p.error(f"--{name} must be {low} (got {getattr(args, name):g})")
     if args.contiguous and args.checkpoint == "none":
         p.error("--contiguous keeps activation checkpoints in one buffer: add --checkpoint full, P_a or P_a+cpu")
+    if args.save_dir and pathlib.Path(args.save_dir).exists() and not pathlib.Path(args.save_dir).is_dir():
+        p.error(f"--save_dir {args.save_dir} is a file: give a directory, where step_NNNNNN checkpoints go")
     if args.out and pathlib.Path(args.out).is_dir():
         p.error(f"--out {args.out} is a directory: give a file path, e.g. {args.out}/run.json")
     n_head = PRESETS[args.model].n_head
