@@ -20,8 +20,9 @@ from gpt import GPT, GPTConfig
 CONFIG = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 
 
-def make(stage, bucket_numel=700, config=CONFIG, optimizer=torch.optim.AdamW, groups_swapped=False, **kwargs):
-    module = GPT(config, seed=1, device="meta")
+def make(stage, bucket_numel=700, config=CONFIG, optimizer=torch.optim.AdamW, groups_swapped=False, seed=1,
+         **kwargs):
+    module = GPT(config, seed=seed, device="meta")
     decay = [p for p in module.parameters() if p.dim() >= 2]
     rest = [p for p in module.parameters() if p.dim() < 2]
     groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
@@ -72,11 +73,12 @@ def on_rank_resume(path, stage, kwargs):
     zero.save_checkpoint(path, model, opt, step=3, data=gen.get_state())
     torch.manual_seed(1234 + dist.get_rank())  # disturb the RNG: load restores it
     want = train(model, opt, 3, 6)
-    want_state = full_state(model)
-    model, opt = make(stage, **kwargs)
+    want_state, want_scale = full_state(model), (opt.loss_scale, opt.clean_steps)
+    model, opt = make(stage, seed=2, **kwargs)  # other weights: the load replaces every one
     extra = zero.load_checkpoint(path, model, opt)
     got = train(model, opt, extra["step"], 6)
     assert torch.equal(extra["data"], gen.get_state())
+    assert (opt.loss_scale, opt.clean_steps) == want_scale, ((opt.loss_scale, opt.clean_steps), want_scale)
     return [bool(torch.equal(a, b)) for a, b in zip(want, got)], differences(want_state, full_state(model))
 
 
@@ -84,6 +86,10 @@ RESUME = [pytest.param(nd, stage, {}, marks=pytest.mark.xdist_group(f"world{nd}"
           for nd, stage in [(1, 3), (2, 0), (2, 1), (2, 2), (2, 3), (3, 1), (4, 3)]]
 RESUME += [pytest.param(2, stage, {"param_dtype": dtype}, marks=pytest.mark.xdist_group("world2"))
            for stage in (1, 3) for dtype in (torch.bfloat16, torch.float16)]
+# fp16 with a loss scale that grows every 2 clean steps: the resumed run grows it when the whole run does
+GROWING = zero.DynamicLossScale(init_scale=2.0**10, growth_interval=2)
+RESUME += [pytest.param(2, 2, {"param_dtype": torch.float16, "loss_scale": GROWING},
+                        marks=pytest.mark.xdist_group("world2"), id="2-2-fp16-growing")]
 
 
 @pytest.mark.parametrize("nd, stage, kwargs", RESUME)
@@ -108,19 +114,21 @@ def on_rank_resume_with_a_parameter_not_yet_stepped(path, stage):
             opt.zero_grad()
             losses.append(loss.detach())
         return losses
-    make_net = lambda: zero.initialize(helpers.make_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
-    model, opt = make_net()
+    def make_net(seed):
+        torch.manual_seed(seed + dist.get_rank())
+        return zero.initialize(helpers.Net(), torch.optim.AdamW, stage=stage, lr=1e-2)
+    model, opt = make_net(100)
     run(model, opt, 0, 1)
     zero.save_checkpoint(path, model, opt, step=1)
     want = run(model, opt, 1, 3), full_state(model)
-    model, opt = make_net()
+    model, opt = make_net(999)  # other weights, the frozen layer's too: the load replaces every one
     zero.load_checkpoint(path, model, opt)
     got = run(model, opt, 1, 3), full_state(model)
     return [bool(torch.equal(a, b)) for a, b in zip(want[0], got[0])], differences(want[1], got[1])
 
 
 @pytest.mark.xdist_group("world2")
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_resume_when_a_parameter_had_no_optimizer_state_yet(world, tmp_path, stage):
     for same_losses, differing in world(2).run(on_rank_resume_with_a_parameter_not_yet_stepped,
                                                str(tmp_path / "ckpt"), stage):

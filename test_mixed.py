@@ -182,6 +182,37 @@ def test_bf16_with_fp32_reduction_matches_a_hand_written_reference_bitwise(world
     assert world(4).run(on_rank_mixed_matches_reference, stage, "bf16", True) == [[]] * 4
 
 
+def on_rank_loss_scale_schedule(stage):
+    """Three clean steps, four that overflow, one clean: the loss scale after each, whether each
+    stepped, and whether the weight moved."""
+    torch.manual_seed(0)
+    scaler = zero.DynamicLossScale(init_scale=8.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2,
+                                   min_scale=2.0)
+    model, opt = zero.initialize(torch.nn.Linear(4, 4), torch.optim.SGD, stage=stage, param_dtype=torch.float16,
+                                 loss_scale=scaler, lr=0.1)
+    scales, stepped, moved = [], [], []
+    for overflow in (False, False, False, True, True, True, True, False):
+        before = zero.full_state_dict(model)["weight"]
+        loss = model(torch.ones(2, 4, dtype=torch.float16)).float().sum()
+        opt.backward(loss * float("inf") if overflow else loss)
+        stepped.append(opt.step())
+        opt.zero_grad()
+        scales.append(opt.loss_scale)
+        moved.append(not torch.equal(zero.full_state_dict(model)["weight"], before))
+    return scales, stepped, moved
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_dynamic_loss_scale_grows_backs_off_and_stops_at_min_scale(world, stage):
+    """DynamicLossScale's rule: times growth_factor after growth_interval clean steps (here 2),
+    times backoff_factor on an overflow, whose step is skipped on every rank with the weights
+    untouched, and never below min_scale: 8, 16, 16, then 8, 4, 2, 2, then 2."""
+    for scales, stepped, moved in world(2).run(on_rank_loss_scale_schedule, stage):
+        assert scales == [8.0, 16.0, 16.0, 8.0, 4.0, 2.0, 2.0, 2.0], scales
+        assert stepped == moved == [True, True, True, False, False, False, False, True], (stepped, moved)
+
+
 # -----------------------------------------------------------------------------------------
 # K = 12: bytes alive after backward, bf16 parameters and gradients, fp32 master + Adam states
 # -----------------------------------------------------------------------------------------

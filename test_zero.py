@@ -224,6 +224,78 @@ def test_gradients_are_reduced_during_backward(world, stage):
         assert "reduce" in events[:events.index("embedding grad")], events
 
 
+def on_rank_reductions_in_flight(stage):
+    """After each gradient hook, how many bucket reductions are started and not yet finished."""
+    model, opt = zero.initialize(make_model(), torch.optim.SGD, stage=stage, bucket_numel=50, lr=0.1)
+    in_flight = []
+    for p in model.parameters():  # after zero's own hook, which starts and finishes reductions
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: in_flight.append(len(opt.gradients.in_reduction)))
+    x, y = batch(0)
+    F.cross_entropy(model(x, True, True).view(-1, VOCAB), y.view(-1)).backward()
+    return in_flight
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_reduction_is_in_flight_while_backward_computes(world, stage):
+    """Section 5.2: a bucket's reduction overlaps the backward of the next, and no more: at
+    stages 2-3 each bucket lives until its reduction ends, so more in flight is more memory."""
+    for in_flight in world(2).run(on_rank_reductions_in_flight, stage):
+        print(in_flight)
+        assert max(in_flight) == 1, in_flight
+
+
+def on_rank_clip(stage, norm_type, max_norm):
+    """One backward, clip_grad_norm_, then SGD with lr 1 (w - g): zero against torch's
+    clip_grad_norm_ under DDP, bit for bit."""
+    ddp_model = make_model()
+    ddp = DDP(ddp_model, find_unused_parameters=True)
+    x, y = batch(0)
+    F.cross_entropy(ddp(x, *usage(0, dist.get_rank(), True)).view(-1, VOCAB), y.view(-1)).backward()
+    want = torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm, norm_type)
+    torch.optim.SGD(ddp_model.parameters(), lr=1.0).step()
+    model, opt = zero.initialize(make_model(), torch.optim.SGD, stage=stage, bucket_numel=64, lr=1.0)
+    F.cross_entropy(model(x, *usage(0, dist.get_rank(), True)).view(-1, VOCAB), y.view(-1)).backward()
+    got = opt.clip_grad_norm_(max_norm, norm_type)
+    opt.step()
+    clipping = bool(want > max_norm)
+    weights = {n: p for n, p in ddp_model.state_dict().items() if n != "seen"}
+    return clipping, compare("norm", got, want) + compare("weights", {n: zero.full_state_dict(model)[n]
+                                                                      for n in weights}, weights)
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("norm_type, max_norm", [(1.0, 0.05), (float("inf"), 0.05), (2.0, 1e6)],
+                         ids=["l1-clipping", "inf-clipping", "l2-below-max_norm"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_clip_grad_norm_matches_torch_for_each_norm_type_and_below_max_norm(world, stage, norm_type, max_norm):
+    """Every norm type torch takes; and below max_norm the gradients stay as they are (the
+    factor min(1, max_norm / (norm + 1e-6)) is 1)."""
+    for clipping, problems in world(2).run(on_rank_clip, stage, norm_type, max_norm):
+        assert clipping == (max_norm < 1) and problems == [], (clipping, problems)
+
+
+def on_rank_alignment(stage):
+    """Where every rank's chunk of every bucket starts, in bytes of bf16, in the flat space and in
+    the own space; and the addresses of the chunks collectives read and write here."""
+    model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, bucket_numel=90,
+                                 param_dtype=torch.bfloat16, lr=1e-2)
+    part, size = opt.partition, torch.bfloat16.itemsize
+    starts = [(b.start + r * b.chunk) * size for b in part.buckets for r in range(part.nd)]
+    starts += [b.own * size for b in part.buckets] + [b.chunk * size for b in part.buckets]
+    chunks = [opt.parameters.mine(k) for k in range(len(part.buckets))] + list(opt.gradients.reduced_chunks)
+    return [x for x in starts + [t.data_ptr() for t in chunks] if x % 16]
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_every_chunk_starts_on_a_16_byte_boundary(world, stage):
+    """zero.ALIGN: chunks are whole multiples of 8 elements, so in bf16 (2 bytes) every rank's
+    chunk of every bucket starts 16-byte aligned, as vectorised kernels and NCCL prefer."""
+    assert world(2).run(on_rank_alignment, stage) == [[], []]
+
+
 # -----------------------------------------------------------------------------------------
 # Stages 1-2 leave the parameter all-gather in flight after step(); whatever reads the
 # parameters waits first: each module's forward for its own part, state_dict() for all
