@@ -487,3 +487,30 @@ def test_init_weights_after_to_empty_equals_a_direct_build():
         model.init_weights(m)
     built = dict(model.named_parameters(remove_duplicate=False))
     assert all(torch.equal(p, built[n]) for n, p in direct.named_parameters(remove_duplicate=False))
+
+
+def test_init_weights_seeds_each_parameter_by_its_full_name():
+    """Each parameter's seed is its full name: two blocks' same-named weights differ, and so do
+    two tables of the same shape."""
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8), seed=0)
+    assert not torch.equal(model.h[0].attn.c_attn.weight, model.h[1].attn.c_attn.weight)
+    assert not torch.equal(model.h[0].mlp.c_fc.weight, model.h[1].mlp.c_fc.weight)
+    assert not torch.equal(model.wte.weight[:8], model.wpe.weight)
+
+
+@pytest.mark.parametrize("temperature, top_k", [(0.5, 10), (2.0, 3), (1.0, None)])
+def test_generate_draws_from_the_tempered_top_k_distribution(temperature, top_k):
+    """A sampled token is torch.multinomial's draw from softmax of the top_k logits divided by
+    the temperature (nanoGPT's rule), draw for draw with the same generator."""
+    vocab = 32
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=vocab, block_size=8), seed=0)
+    logits = torch.randn(1, 1, vocab, generator=torch.Generator().manual_seed(1)) * 3
+    model.forward = lambda idx: (logits.clone(), None)  # fixed logits (B, T, V) for every call
+    for seed in range(30):
+        got = model.generate(torch.zeros(1, 1, dtype=torch.long), 1, temperature=temperature, top_k=top_k,
+                             generator=torch.Generator().manual_seed(seed))[0, -1]
+        tempered = logits[0, -1] / temperature
+        if top_k is not None:
+            tempered[tempered < torch.topk(tempered, top_k).values[-1]] = -math.inf
+        want = torch.multinomial(F.softmax(tempered, -1), 1, generator=torch.Generator().manual_seed(seed))[0]
+        assert got == want, (seed, got, want)

@@ -213,6 +213,37 @@ def test_dynamic_loss_scale_grows_backs_off_and_stops_at_min_scale(world, stage)
         assert stepped == moved == [True, True, True, False, False, False, False, True], (stepped, moved)
 
 
+def on_rank_padding_is_not_an_overflow(stage):
+    """Two steps with a static loss scale, every new tensor made during backward first filled
+    with NaN (what uninitialised memory may hold, on a GPU especially): whether each stepped."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    model, opt = zero.initialize(model, torch.optim.SGD, stage=stage, bucket_numel=20, loss_scale=1024.0, lr=0.1)
+    real, stepped = torch.empty, []
+
+    def garbage(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    for step in range(2):
+        loss = model(torch.randn(4, 5)).square().mean()
+        torch.empty = garbage
+        try:
+            opt.backward(loss)
+        finally:
+            torch.empty = real
+        stepped.append(opt.step())
+        opt.zero_grad()
+    return stepped
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_buckets_padding_is_zero_not_an_overflow(world, stage):
+    """A bucket made during backward is empty memory; its padding (a run's last bucket rounds up
+    to whole chunks) is zeroed, else garbage there is summed and read as an overflow."""
+    assert world(2).run(on_rank_padding_is_not_an_overflow, stage) == [[True, True]] * 2
+
+
 # -----------------------------------------------------------------------------------------
 # K = 12: bytes alive after backward, bf16 parameters and gradients, fp32 master + Adam states
 # -----------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
     python -m pytest -n 2 test_train.py
 """
+import argparse
 import json
 import math
 import os
@@ -192,3 +193,20 @@ def test_latest_checkpoint_is_the_highest_complete_step(tmp_path):
     assert train.latest_checkpoint(tmp_path, tp=2) == tmp_path / "step_7"  # step_8 lacks tp1
     with pytest.raises(SystemExit, match="saved with --tp 1 or 2: resume with that --tp"):
         train.latest_checkpoint(tmp_path, tp=4)
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth():
+    """lr_at: linear warm-up over the first 5% of the steps (from lr / warm-up steps, never 0),
+    then a cosine from lr to lr / 10."""
+    args = argparse.Namespace(steps=100, lr=1.0)  # 5 warm-up steps
+    assert [train.lr_at(s, args) for s in range(6)] == [0.2, 0.4, 0.6, 0.8, 1.0, 1.0]
+    assert math.isclose(train.lr_at(100, args), 0.1, abs_tol=1e-12)  # (the cosine's end, in floats)
+    assert 0.1 < train.lr_at(99, args) < 0.101
+
+
+def test_checkpoints_are_made_every_save_every_steps_and_at_the_end():
+    args = argparse.Namespace(save_dir="d", steps=10, save_every=4)
+    made = {s: train.checkpoint_dir(args, s) for s in range(10)}
+    assert [s for s, d in made.items() if d] == [3, 7, 9] and made[9].name == "step_000010"
+    args.save_every = 0  # only at the end
+    assert [s for s in range(10) if train.checkpoint_dir(args, s)] == [9]

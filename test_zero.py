@@ -276,6 +276,42 @@ def test_clip_grad_norm_matches_torch_for_each_norm_type_and_below_max_norm(worl
         assert clipping == (max_norm < 1) and problems == [], (clipping, problems)
 
 
+def on_rank_norm_load():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    model, opt = zero.initialize(model, torch.optim.SGD, stage=2, bucket_numel=64, lr=0.1)
+    model(torch.randn(2, 16)).sum().backward()
+    opt.clip_grad_norm_(1.0)
+    received = sum(sum(receive_splits) for slices, send_splits, pieces, receive_splits, moves in opt.norm_plan)
+    return received, sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.xdist_group("world2")
+def test_clip_grad_norm_shares_the_whole_gradients_between_the_ranks(world):
+    """Each gradient is brought whole to one norm rank, chosen to balance the bytes: no rank
+    takes in the whole model (here Ψ = 1088 in 8 parameters, each split over both ranks)."""
+    for received, psi in world(2).run(on_rank_norm_load):
+        print(received, psi)
+        assert received <= 0.6 * psi, (received, psi)
+
+
+def on_rank_pieces_per_parameter(stage, kwargs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    model, opt = zero.initialize(model, torch.optim.AdamW, stage=stage, bucket_numel=64, lr=0.1, **kwargs)
+    return len(opt.pieces), len({p.index for p in opt.pieces}), len(opt.optim.param_groups[0]["params"])
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage, kwargs", [(3, {}), (1, {"param_dtype": torch.bfloat16})], ids=["3-fp32", "1-bf16"])
+def test_the_optimizer_holds_one_tensor_per_parameter(world, stage, kwargs):
+    """A parameter's pieces in consecutive buckets lie end to end in the own space; where the
+    optimizer's tensors are own-space ones (stage 3's shard, an fp32 master) they are one tensor
+    (at 1T parameters: a tensor per parameter, not one per bucket)."""
+    for pieces, params, tensors in world(2).run(on_rank_pieces_per_parameter, stage, kwargs):
+        assert pieces == params == tensors, (pieces, params, tensors)
+
+
 def on_rank_alignment(stage):
     """Where every rank's chunk of every bucket starts, in bytes of bf16, in the flat space and in
     the own space; and the addresses of the chunks collectives read and write here."""
@@ -698,6 +734,35 @@ def on_rank_stage3_parameters_read_outside_forward():
     return problems + [f"{name} unchanged by a step" for name, v in zero.full_state_dict(model).items()
                        if name in shapes and shapes[name].numel() and torch.equal(v, before[name])
                        and name != "frozen.weight" and name != "frozen.bias"]
+
+
+class Recursive(nn.Module):
+    """Calls itself once, and reads its own weight again after the inner call has returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x, depth=1):
+        h = torch.tanh(self.weight @ x.T).T
+        if depth:
+            h = self(h, depth - 1)
+        return (h @ self.weight).sum(-1)[:, None] + h
+
+
+def on_rank_recursive_module():
+    torch.manual_seed(0)
+    net, x = Recursive(), torch.randn(3, 8)
+    want = net(x).detach().clone()
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=3, lr=0.1)
+    return torch.equal(model(x).detach(), want)
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage3_keeps_a_group_gathered_while_any_call_of_its_module_runs(world):
+    """The inner call's end must not free what the outer call still reads: a count of the
+    module's calls in progress, not a flag."""
+    assert world(2).run(on_rank_recursive_module) == [True, True]
 
 
 @pytest.mark.xdist_group("world2")
