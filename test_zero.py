@@ -728,6 +728,12 @@ def on_rank_stage3_parameters_read_outside_forward():
             except RuntimeError:  # (one of more than one element refuses writes)
                 pass
     problems += compare("after writes into stand-ins", zero.full_state_dict(model), before)
+    small, _ = zero.initialize(nn.Sequential(nn.Linear(4, 4), nn.PReLU(), nn.Linear(4, 2)), torch.optim.SGD,
+                               stage=3, lr=0.1)
+    with torch.no_grad():
+        small[1].weight.fill_(0.0)  # PReLU's one element: its stand-in takes the write, and no other reads it
+    problems += [f"{n} reads {p.flatten()[:2].tolist()} after a write into PReLU's stand-in"
+                 for n, p in small.named_parameters() if n != "1.weight" and not p.isnan().all()]
     x, y = batch(2)  # the next step still trains on the shards
     F.cross_entropy(model(x, True, True).view(-1, VOCAB), y.view(-1)).backward()
     opt.step()
