@@ -127,6 +127,31 @@ def test_checkpointing_is_exact_in_any_schedule_width_and_layout(mode, case):
     assert all(torch.equal(a, b) for a, b in zip(got, want)), max((a - b).abs().max().item() for a, b in zip(got, want))
 
 
+def test_md_keeps_its_buffer_while_a_graph_holds_it():
+    """A micro-batch of another shape while one is in flight (a last, shorter batch): its
+    checkpoints get copies of their own, and the M_D buffer is replaced only once no graph holds
+    it, so there is never more than one."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+    ckpt = zero.checkpoint_activations(blocks, contiguous=True)
+
+    def forward(seq_len):
+        x = torch.randn(3, seq_len, 16, requires_grad=True)
+        for b in blocks:
+            x = b(x)
+        return x.pow(2).sum()
+
+    first = forward(5)
+    arena = ckpt.arena
+    second = forward(6)  # while the first graph holds every slot
+    kept_while_held = ckpt.arena is arena
+    first.backward()
+    second.backward()
+    del first, second
+    forward(6).backward()  # no graph holds the buffer now: one of the new shape
+    assert kept_while_held and ckpt.arena is not arena and ckpt.arena.shape[1] >= 3 * 6 * 16, ckpt.arena.shape
+
+
 def test_checkpointing_takes_blocks_called_with_one_tensor():
     blocks = nn.ModuleList([nn.MultiheadAttention(8, 2)])
     zero.checkpoint_activations(blocks)
