@@ -134,7 +134,8 @@ def test_train_resumed_from_a_checkpoint_gives_the_uninterrupted_losses(tmp_path
     # a resume that would silently change the run, or has nothing left to train, stops first
     for more, message in ((["--weight_decay", "5.0"], "belongs to a run with --weight_decay 0.1 (now 5.0)"),
                           (["--steps", "60"], "--steps 40 (now 60)"),
-                          (["--seed", "1"], "--seed 1337 (now 1)")):
+                          (["--seed", "1"], "--seed 1337 (now 1)"),
+                          (["--grad_clip", "0.5"], "--grad_clip 1.0 (now 0.5)")):
         proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *flags, *more, "--resume",
                                str(tmp_path / "a" / "step_000020")], capture_output=True, text=True, timeout=120,
                               cwd=HERE)
