@@ -228,11 +228,14 @@ def on_rank_reductions_in_flight(stage):
     """After each gradient hook, how many bucket reductions are started and not yet finished."""
     model, opt = zero.initialize(make_model(), torch.optim.SGD, stage=stage, bucket_numel=50, lr=0.1)
     in_flight = []
-    for p in model.parameters():  # after zero's own hook, which starts and finishes reductions
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(lambda p: in_flight.append(len(opt.gradients.in_reduction)))
+    # after zero's own hook, which starts and finishes reductions; removed at the end, as autograd
+    # holds a hook where Python's collector cannot see the cycle back to the model through opt
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: in_flight.append(len(opt.gradients.in_reduction)))
+             for p in model.parameters() if p.requires_grad]
     x, y = batch(0)
     F.cross_entropy(model(x, True, True).view(-1, VOCAB), y.view(-1)).backward()
+    for hook in hooks:
+        hook.remove()
     return in_flight
 
 
