@@ -224,6 +224,8 @@ def test_gradients_are_reduced_during_backward(world, stage):
         assert "reduce" in events[:events.index("embedding grad")], events
 
 
+# world2b: a second pool of 2 ranks. An xdist group runs on one worker, and world2 holds most of
+# the suite, so these short tests form a group of their own that the other worker can take.
 def on_rank_reductions_in_flight(stage):
     """After each gradient hook, how many bucket reductions are started and not yet finished."""
     model, opt = zero.initialize(make_model(), torch.optim.SGD, stage=stage, bucket_numel=50, lr=0.1)
@@ -239,7 +241,7 @@ def on_rank_reductions_in_flight(stage):
     return in_flight
 
 
-@pytest.mark.xdist_group("world2")
+@pytest.mark.xdist_group("world2b")
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_one_reduction_is_in_flight_while_backward_computes(world, stage):
     """Section 5.2: a bucket's reduction overlaps the backward of the next, and no more: at
@@ -268,7 +270,7 @@ def on_rank_clip(stage, norm_type, max_norm):
                                                                       for n in weights}, weights)
 
 
-@pytest.mark.xdist_group("world2")
+@pytest.mark.xdist_group("world2b")
 @pytest.mark.parametrize("norm_type, max_norm", [(1.0, 0.05), (float("inf"), 0.05), (2.0, 1e6)],
                          ids=["l1-clipping", "inf-clipping", "l2-below-max_norm"])
 @pytest.mark.parametrize("stage", [1, 3])
@@ -289,7 +291,7 @@ def on_rank_norm_load():
     return received, sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.xdist_group("world2")
+@pytest.mark.xdist_group("world2b")
 def test_clip_grad_norm_shares_the_whole_gradients_between_the_ranks(world):
     """Each gradient is brought whole to one norm rank, chosen to balance the bytes: no rank
     takes in the whole model (here Ψ = 1088 in 8 parameters, each split over both ranks)."""
@@ -305,7 +307,7 @@ def on_rank_pieces_per_parameter(stage, kwargs):
     return len(opt.pieces), len({p.index for p in opt.pieces}), len(opt.optim.param_groups[0]["params"])
 
 
-@pytest.mark.xdist_group("world2")
+@pytest.mark.xdist_group("world2b")
 @pytest.mark.parametrize("stage, kwargs", [(3, {}), (1, {"param_dtype": torch.bfloat16})], ids=["3-fp32", "1-bf16"])
 def test_the_optimizer_holds_one_tensor_per_parameter(world, stage, kwargs):
     """A parameter's pieces in consecutive buckets lie end to end in the own space; where the
@@ -327,7 +329,7 @@ def on_rank_alignment(stage):
     return [x for x in starts + [t.data_ptr() for t in chunks] if x % 16]
 
 
-@pytest.mark.xdist_group("world2")
+@pytest.mark.xdist_group("world2b")
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_chunk_starts_on_a_16_byte_boundary(world, stage):
     """zero.ALIGN: chunks are whole multiples of 8 elements, so in bf16 (2 bytes) every rank's
@@ -767,14 +769,14 @@ def on_rank_recursive_module():
     return torch.equal(model(x).detach(), want)
 
 
-@pytest.mark.xdist_group("world2")
+@pytest.mark.xdist_group("world2b")
 def test_stage3_keeps_a_group_gathered_while_any_call_of_its_module_runs(world):
     """The inner call's end must not free what the outer call still reads: a count of the
     module's calls in progress, not a flag."""
     assert world(2).run(on_rank_recursive_module) == [True, True]
 
 
-@pytest.mark.xdist_group("world2")
+@pytest.mark.xdist_group("world2b")
 def test_stage3_parameters_read_outside_forward_as_nan_of_their_shape(world):
     for problems in world(2).run(on_rank_stage3_parameters_read_outside_forward):
         assert problems == [], problems
