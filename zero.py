@@ -1137,7 +1137,10 @@ class ShardedParameters:
         return [self.shard] + self.buffers + [stand_in for views in self.views for p, view, stand_in in views]
 
     def _free(self, g):
-        self.buffers[g].untyped_storage().resize_(0)
+        storage = self.buffers[g].untyped_storage()
+        if storage.nbytes() == 0:  # freed already: its parameters are stand-ins
+            return
+        storage.resize_(0)
         for p, view, stand_in in self.views[g]:
             p.data = stand_in
 
