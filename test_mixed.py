@@ -10,7 +10,6 @@ ranks on its own (in the reduction dtype), and the averages are summed in micro-
 fp16: the fp32 loss times the loss scale is backpropagated; the summed gradient, cast to fp32,
 is checked for inf/nan (on any rank), divided by the scale, clipped, then stepped.
 """
-import time
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero
-from helpers import VOCAB, compare, make_model, rank_order_hook, usage
+from helpers import VOCAB, compare, make_model, rank_order_hook, settled, usage
 
 STEPS, MICRO, MAX_NORM = 5, 4, 0.05  # MAX_NORM: below every step's gradient norm, so clipping acts
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -262,16 +261,10 @@ def on_rank_bf16_model_state_bytes(stage):
             opt.step()
             opt.zero_grad()
     del loss
-    # A finished reduction's buffers live on until gloo's worker thread lets go of them, which under
-    # load can be after backward returns and even after a barrier (seen: one 10 KB bucket counted):
-    # the smallest of a few samples 50 ms apart (the model states are alive throughout).
-    dist.barrier()
+    dist.barrier()  # every earlier collective done, on every rank
     inputs = {x.untyped_storage()._cdata, y.untyped_storage()._cdata}
-    samples = []
-    for _ in range(5):
-        samples.append(sum(s.nbytes() for ptr, s in zero.live_storages().items() if ptr not in before and ptr not in inputs))
-        time.sleep(0.05)
-    measured = min(samples)
+    measured = settled(lambda: sum(s.nbytes() for ptr, s in zero.live_storages().items()
+                                   if ptr not in before and ptr not in inputs))
     return measured, sum(p.numel() for p in mlp.parameters()), len(list(mlp.parameters()))
 
 
@@ -306,13 +299,13 @@ def on_rank_bytes_after_the_step(stage, dtype):
         dist.barrier()  # every collective's buffers let go
         if step == 1:
             used = opt.gradients.used_flags[0][1].untyped_storage()._cdata  # read by the step
-            held["backward"] = zero.model_state_bytes(model), sum(
-                s.nbytes() for k, s in zero.live_storages().items() if k not in before and k != used)
+            held["backward"] = zero.model_state_bytes(model), settled(lambda: sum(
+                s.nbytes() for k, s in zero.live_storages().items() if k not in before and k != used))
         opt.clip_grad_norm_(1.0)
         opt.step()
         if step == 1:
-            held["step"] = zero.model_state_bytes(model), sum(
-                s.nbytes() for k, s in zero.live_storages().items() if k not in before)
+            held["step"] = zero.model_state_bytes(model), settled(lambda: sum(
+                s.nbytes() for k, s in zero.live_storages().items() if k not in before))
             try:
                 opt.step()
                 again = None

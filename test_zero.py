@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero
-from helpers import DIM, VOCAB, compare, make_model, missed_errors, rank_order_hook, usage
+from helpers import DIM, VOCAB, compare, make_model, missed_errors, rank_order_hook, settled, usage
 
 STEPS = 6
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
@@ -582,14 +582,12 @@ def on_rank_model_state_bytes(stage):
             opt.step()
             opt.zero_grad()
     del loss
-    # A finished reduction's buffers live on until gloo's worker thread lets go of them, which under
-    # load can be after backward returns (seen: one 20 KB bucket counted); the barrier waits for
-    # every earlier collective on every rank.
-    dist.barrier()
+    dist.barrier()  # every earlier collective done, on every rank
     inputs = {x.untyped_storage()._cdata, y.untyped_storage()._cdata}
-    new = [s.nbytes() for key, s in zero.live_storages().items() if key not in before and key not in inputs]
+    new = settled(lambda: sorted([s.nbytes() for key, s in zero.live_storages().items()
+                                  if key not in before and key not in inputs], reverse=True))
     psi = sum(p.numel() for p in mlp.parameters())
-    return sum(new), psi, len(list(mlp.parameters())), sorted(new, reverse=True)
+    return sum(new), psi, len(list(mlp.parameters())), new
 
 
 @pytest.mark.parametrize("nd", [pytest.param(nd, marks=pytest.mark.xdist_group(f"world{nd}")) for nd in (2, 4)])
@@ -625,7 +623,6 @@ class Branchy(nn.Module):
 
 
 def on_rank_branch_taken_by_rank_0_only(gather_at_all=True):
-    import time
     torch.manual_seed(0)
     model, opt = zero.initialize(Branchy(), torch.optim.SGD, stage=3, lr=0.1, check_timeout=3)
     start = time.perf_counter()
@@ -807,11 +804,10 @@ def on_rank_dropped_model_is_freed(stage):
         del mlp, model, opt
         # Stages 1-2 leave the parameters' all-gather in flight after step(); the collective holds
         # its buffer until the slower rank joins it. gloo's barrier first waits for every earlier
-        # collective, so what is still alive after it is a leak, not a collective still running.
+        # collective, so what is still alive once the readings settle is a leak.
         dist.barrier()
-        after = zero.live_storages()
-        results[system] = (alive() is None, sum(s.nbytes() for k, s in after.items() if k not in before))
-        del after
+        left = settled(lambda: sum(s.nbytes() for k, s in zero.live_storages().items() if k not in before))
+        results[system] = (alive() is None, left)
     return results
 
 
