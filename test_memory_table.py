@@ -161,6 +161,7 @@ def test_main_with_no_section_flags_runs_every_section(monkeypatch, capsys):
     assert "section simulate" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # three stages of a 7.5B model partitioned on the meta device: over a minute
 def test_simulated_7_5b_at_nd_64_matches_the_formula_within_1_percent():
     """zero.py's own partitioning of gpt.py's 7.5B model on the meta device, rank 0 of a fake world
     of 64 (in a subprocess: the fake process group is process-wide). Formula, written here:
@@ -256,6 +257,7 @@ def test_communication_volume_is_section_7_exactly(world, nd):
             assert phase == {"forward": ring * padded_units, "backward": 2 * ring * padded_units, "step": 0}, stage
 
 
+@pytest.mark.slow  # four stages at two precisions on 2 spawned ranks: about a minute
 def test_cli_measure_prints_its_table():
     out = subprocess.run([sys.executable, "memory_table.py", "--measure", "--world", "2"],
                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent)

@@ -77,6 +77,7 @@ def test_train_stage3_on_2_ranks_runs_and_loss_falls(tmp_path):
     assert "validation loss" in stdout and "sample" in stdout and log["sample"].startswith("def ")
 
 
+@pytest.mark.slow  # two torchrun launches: over a minute on 2 cores
 @pytest.mark.xdist_group("train")
 def test_train_loss_curves_are_identical_for_stages_0_and_3(tmp_path):
     small = ["--data", os.path.join(HERE, "zero.py")]  # a small corpus: the default takes seconds to prepare
@@ -120,6 +121,7 @@ def test_train_stops_where_the_loss_diverges_and_keeps_its_log(tmp_path):
     assert not math.isfinite(log["log"][-1]["loss"]) and len(log["log"]) < 6 and log["sample"] is None
 
 
+@pytest.mark.slow  # two torchrun launches and five refused resumes: about 2 minutes on 2 cores
 @pytest.mark.xdist_group("train")
 def test_train_resumed_from_a_checkpoint_gives_the_uninterrupted_losses(tmp_path):
     """40 steps saving at 20, and a run resumed from step 20: the same losses (the model,
