@@ -213,6 +213,9 @@ class FlatPartition:
     def __init__(self, params, runs, group, bucket_numel, reduction, device):
         """params: trainable ones first (their index order); runs: [(parameters, trainable)] in flat order."""
         self.group, self.reduction, self.device = group, reduction, device
+        # small flags (which parameters were used, stage 3's gather check) must be readable: on the
+        # CPU when simulating on meta
+        self.flag_device = torch.device("cpu") if device.type == "meta" else device
         self.nd, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.params = params
         self.index = {p: i for i, p in enumerate(params)}
@@ -336,8 +339,8 @@ class FlatPartition:
 # holds what its stage keeps plus about one module: at stage 3, its shard and one unit.
 # init_fn must give every rank the same values (gpt.py seeds each parameter by its name).
 class MetaInit:
-    def __init__(self, module, partition, init_fn, device):
-        self.partition, self.init_fn, self.device = partition, init_fn, device
+    def __init__(self, module, partition, init_fn):
+        self.partition, self.init_fn, device = partition, init_fn, partition.device
         self.owner = {}  # parameter -> the first module that holds it (a tied weight has one owner)
         for m in module.modules():
             for p in m.parameters(recurse=False):
@@ -504,7 +507,7 @@ class ZeroOptimizer:
                 raise RuntimeError(f"{unfrozen[:3]} had requires_grad=False at zero.initialize, which laid out "
                                    f"gradients and optimizer states for the trainable parameters only: set "
                                    f"requires_grad=True before zero.initialize (freezing later works)")
-            grads = self.gradients.own_grads().to(self.precision.master_dtype or self.precision.param_dtype)
+            grads = self.gradients.own_grads().to(self.weights_dtype)
             self.overflow = False
             if self.scaler:  # (reading the flag waits for the device: only with loss scaling)
                 found_inf = (~grads.isfinite()).any().float()
@@ -790,23 +793,16 @@ class GradientBuckets:
         self.on_grad, self.on_backward_end = on_grad, on_backward_end
         self.n_trainable = sum(p.requires_grad for p in partition.params)
         device = partition.device
-        # small flags (which parameters were used) must be readable: on the CPU when simulating on meta
-        self.flag_device = torch.device("cpu") if device.type == "meta" else device
         self.full = torch.zeros(partition.padded_numel, dtype=precision.param_dtype, device=device) \
             if keep_full else None
         # the reduced chunks go into the full gradient (stages 0-1, when it has the reduce dtype),
         # else a buffer of their own: the flat space at stage 0, the own space at 1-3
-        if keep_full and precision.reduce_dtype == precision.param_dtype:
-            self.reduced, at_flat = self.full, True
-        else:
-            self.reduced = torch.zeros(partition.padded_numel if replicate else partition.shard_numel,
-                                       dtype=precision.reduce_dtype, device=device)
-            at_flat = replicate
-        self.reduced_chunks = [self.reduced[partition.chunk(k) if at_flat else partition.own(k)]
+        in_full = keep_full and precision.reduce_dtype == precision.param_dtype
+        self.reduced = self.full if in_full else torch.zeros(
+            partition.padded_numel if replicate else partition.shard_numel, dtype=precision.reduce_dtype, device=device)
+        self.reduced_chunks = [self.reduced[partition.chunk(k) if in_full or replicate else partition.own(k)]
                                for k in range(len(partition.buckets))]
-        self.reduced_at_flat = at_flat
         self.order = [k for k, b in enumerate(partition.buckets) if b.trainable]  # reduced in reverse
-        self.params_in_bucket = [len(b.segments) for b in partition.buckets]
         self.require_scaled_backward, self.scaled_backward = False, False
         # the hook holds this object weakly: Python's collector cannot see a cycle through C++
         for p in partition.params[:self.n_trainable]:
@@ -833,7 +829,7 @@ class GradientBuckets:
 
     def _new_backward(self):
         self.used = [False] * self.n_trainable  # this rank's gradient arrived, this backward
-        self.pending = list(self.params_in_bucket)
+        self.pending = [len(b.segments) for b in self.partition.buckets]  # gradients still to come, per bucket
         self.temporary, self.in_reduction = {}, []  # in_reduction: reductions not yet finished
         self.next = len(self.order) - 1
         self.in_backward = False
@@ -909,7 +905,7 @@ class GradientBuckets:
         # A parameter unused on every rank in every micro-batch keeps no gradient (the
         # optimizer skips it, as with DDP's find_unused_parameters=True); one used anywhere
         # gets the average. The flags travel while the next micro-batch runs; the step reads them.
-        used = torch.tensor(self.used, dtype=torch.int32, device=self.flag_device)
+        used = torch.tensor(self.used, dtype=torch.int32, device=part.flag_device)
         work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=part.group, async_op=True)  # (n_trainable,)
         self.used_flags.append((work, used))
         self.on_backward_end()
@@ -926,7 +922,7 @@ class GradientBuckets:
             for k in self.order:
                 part.all_gather(self.reduced[part.flat_range(k)], self.reduced_chunks[k], async_op=False)
             return self.reduced
-        if self.reduced_at_flat:  # stage 1: the chunks, out of the full gradient
+        if self.reduced is self.full:  # stage 1: the chunks, out of the full gradient
             return torch.cat(self.reduced_chunks)
         return self.reduced
 
@@ -1053,15 +1049,13 @@ def gather_groups(module, units):
 
 class ShardedParameters:
     def __init__(self, partition, module, groups, hooks, shared, dtype, prefetch, check_timeout):
-        self.partition, self.shared, self.prefetch = partition, shared, prefetch
+        self.partition, self.shared = partition, shared
         self.shard = torch.zeros(partition.shard_numel, dtype=dtype, device=partition.device)
         names = {m: name or "the root module" for name, m in module.named_modules()}
         self.names = [None] * len(groups)  # a group's name: the first module that gathers it
         for m, gids in hooks:
             for g in gids:
                 self.names[g] = self.names[g] or names[m]
-        device = partition.device
-        self.flag_device = torch.device("cpu") if device.type == "meta" else device
         self.check_timeout = datetime.timedelta(seconds=check_timeout)
         self.group_of = {p: g for g, members in enumerate(groups) for p in members}
         # a group's buckets are consecutive: its runs were laid out together
@@ -1183,7 +1177,7 @@ class ShardedParameters:
         that stops gathering leaves the others an error after check_timeout seconds."""
         rule = ("every rank must run the same modules in the same order at stage 3: take a branch on "
                 "every rank or on none (or use stage 2, which allows it)")
-        ids = torch.tensor([g, -g], dtype=torch.int64, device=self.flag_device)
+        ids = torch.tensor([g, -g], dtype=torch.int64, device=self.partition.flag_device)
         work = dist.all_reduce(ids, op=dist.ReduceOp.MAX, group=self.partition.group, async_op=True)  # (max, -min)
         try:
             work.wait(timeout=self.check_timeout)
@@ -1329,9 +1323,7 @@ class ShardedParameters:
         self.calls_seen = []
 
     def on_backward_end(self):
-        self._finish_prefetch()
-        for g in range(len(self.groups)):
-            self._free(g)
+        self.after_step()  # free every group, prefetched ones included
         self._new_backward()
 
 
@@ -1369,7 +1361,7 @@ class ActivationCheckpointing:
 
     def __init__(self, blocks, tp_group=None, partition=False, cpu=False, contiguous=False):
         self.blocks = list(blocks)
-        self.tp_group, self.partition, self.cpu, self.contiguous = tp_group, partition, cpu, contiguous
+        self.tp_group, self.cpu, self.contiguous = tp_group, cpu, contiguous
         self.tp = dist.get_world_size(tp_group) if partition and tp_group is not None else 1
         self.tp_rank = dist.get_rank(tp_group) if self.tp > 1 else 0
         self.arena, self.busy = None, [False] * len(self.blocks)
@@ -1470,24 +1462,23 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
            loss_scale, prefetch, reduction, init_fn, tp_group, optimizer_kwargs)
     params = list(module.parameters())  # unique: a tied weight is listed once
-    params = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
+    trainable, frozen = [p for p in params if p.requires_grad], [p for p in params if not p.requires_grad]
+    params = trainable + frozen
     precision = Precision(param_dtype or params[0].dtype, reduce_dtype or param_dtype or params[0].dtype)
     if not params[0].is_meta:
         device = params[0].device
     elif device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     if stage < 3:  # the trainable parameters in module order, then the frozen ones
-        runs = [(params[:sum(p.requires_grad for p in params)], True),
-                (params[sum(p.requires_grad for p in params):], False)]
+        runs = [(trainable, True), (frozen, False)]
     else:  # group by group, as stage 3 gathers them
         groups, hooks, shared = gather_groups(module, stage3_units or ())
         runs = [([p for p in members if p.requires_grad == trainable], trainable)
                 for members in groups for trainable in (True, False)]
-    if bucket_numel is None:
-        bucket_numel = default_bucket_numel(dist.get_world_size(group))
+    bucket_numel = bucket_numel or default_bucket_numel(dist.get_world_size(group))
     partition = FlatPartition(params, [(run, t) for run, t in runs if run], group, bucket_numel, reduction,
                               torch.device(device))
-    start = MetaInit(module, partition, init_fn, partition.device).values if params[0].is_meta \
+    start = MetaInit(module, partition, init_fn).values if params[0].is_meta \
         else partition.rank0_values
     for b in module.buffers():
         if b.is_floating_point():
