@@ -744,6 +744,41 @@ def on_rank_stage3_parameters_read_outside_forward():
                        and name != "frozen.weight" and name != "frozen.bias"]
 
 
+class ReadsChildWeight(nn.Module):
+    """Multiplies by its child's weight without calling the child (as nn.MultiheadAttention
+    does with out_proj): at stage 3 the child's parameters are gathered only if the reader is a unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.child = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return self.a(x) @ self.child.weight
+
+
+def on_rank_parent_reads_childs_weight(as_unit):
+    torch.manual_seed(0)
+    net, x = ReadsChildWeight(), torch.randn(3, DIM)
+    want = net(x).detach().clone()
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=3, lr=0.1, stage3_units=[net] if as_unit else None)
+    out = model(x)
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        return out.isnan().all().item(), str(e)
+    return torch.equal(out.detach(), want), None
+
+
+@pytest.mark.xdist_group("world2b")
+def test_stage3_weight_read_without_its_module_is_an_error_at_backward(world):
+    """Not a unit: the forward reads the child's NaN stand-in, and the gradient that reaches it
+    (with the child never gathered) raises naming stage3_units. As a unit: the plain module's bits."""
+    for nan, message in world(2).run(on_rank_parent_reads_childs_weight, False):
+        print(message)
+        assert nan and message and "a parameter of child got a gradient" in message and "stage3_units" in message
+    assert world(2).run(on_rank_parent_reads_childs_weight, True) == [(True, None)] * 2
+
+
 class Recursive(nn.Module):
     """Calls itself once, and reads its own weight again after the inner call has returned."""
 

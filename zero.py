@@ -1297,6 +1297,11 @@ class ShardedParameters:
 
     def on_grad(self, p):
         g = self.group_of[p]
+        if self.buffers[g].untyped_storage().nbytes() == 0:  # not gathered: it was read as its NaN stand-in
+            raise RuntimeError(f"stage 3: a parameter of {self.names[g]} got a gradient while {self.names[g]} was "
+                               f"neither running nor gathered for backward, so the forward read it as NaN (e.g. "
+                               f"a parent reading a child's weight without calling the child): make the module "
+                               f"that reads it a unit (zero.initialize(..., stage3_units=[...]))")
         self._grads_left()[g] -= 1
         self._free_in_backward(g)
 
