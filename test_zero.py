@@ -854,6 +854,35 @@ def test_dropping_the_model_and_optimizer_frees_everything(world, stage):
         assert results["zero"] == (True, 0), results
 
 
+def on_rank_parameters_read_right_after_step(stage):
+    """An EMA's read: the parameters listed right after step(), against the stepped weights."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    model, opt = zero.initialize(mlp, torch.optim.SGD, stage=stage, bucket_numel=256, lr=0.5)
+    problems = []
+    for step in range(3):
+        F.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 16)).backward()
+        if dist.get_rank() == 1:
+            time.sleep(0.2)  # so rank 0's all-gathers wait for rank 1's chunks
+        opt.step()
+        opt.zero_grad()
+        read = {n: p.detach().clone() for n, p in model.named_parameters()}
+        read_too = [p.detach().clone() for p in model[2].parameters()]  # a submodule's
+        stepped = zero.full_state_dict(model)
+        problems += [f"step {step}: {n}" for n, v in read.items() if not torch.equal(v, stepped[n])]
+        problems += [f"step {step}: 2.{n}" for n, v in zip(["weight", "bias"], read_too)
+                     if not torch.equal(v, stepped[f"2.{n}"])]
+    return problems
+
+
+@pytest.mark.xdist_group("world2b")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage1_2_parameters_listed_after_step_are_the_stepped_weights(world, stage):
+    """step() leaves the all-gather of the updated chunks in flight (the next forward waits for
+    it); model.parameters() and named_parameters(), of the model or a submodule, wait too."""
+    assert world(2).run(on_rank_parameters_read_right_after_step, stage) == [[], []]
+
+
 def on_rank_module_reads_a_childs_parameters(stage):
     """nn.MultiheadAttention's forward reads out_proj.weight without calling out_proj."""
     torch.manual_seed(0)

@@ -947,7 +947,14 @@ class FlatParameters:
                 if next(m.parameters(), None) is not None:  # a module with no parameter below reads none
                     m.register_forward_pre_hook(lambda mod, args: self._pre_forward(mod))
                 m.register_state_dict_pre_hook(lambda *args: self.wait())
+                m.named_parameters = functools.partial(self._after_wait, m.named_parameters)  # parameters() too
             module.register_forward_hook(lambda mod, args, out: self._learn_ends())
+
+    def _after_wait(self, named_parameters, *args, **kwargs):
+        """A parameter read between step() and the next forward (an EMA, a logged norm) is the
+        stepped weight: listing the parameters waits for the all-gathers in flight."""
+        self.wait()
+        return named_parameters(*args, **kwargs)
 
     def _pre_forward(self, m):
         if self.ends is None:  # the first forward waits for everything and notes which modules run
