@@ -10,7 +10,6 @@ ranks on its own (in the reduction dtype), and the averages are summed in micro-
 fp16: the fp32 loss times the loss scale is backpropagated; the summed gradient, cast to fp32,
 is checked for inf/nan (on any rank), divided by the scale, clipped, then stepped.
 """
-
 import pytest
 import torch
 import torch.distributed as dist

@@ -1137,11 +1137,14 @@ class ShardedParameters:
     def storages(self):
         return [self.shard] + self.buffers + [stand_in for views in self.views for p, view, stand_in in views]
 
+    def _gathered(self, g):
+        """Whether group g's buffer holds its storage (gathered, or an all-gather on its way)."""
+        return self.buffers[g].untyped_storage().nbytes() > 0
+
     def _free(self, g):
-        storage = self.buffers[g].untyped_storage()
-        if storage.nbytes() == 0:  # freed already: its parameters are stand-ins
+        if not self._gathered(g):  # freed already: its parameters are stand-ins
             return
-        storage.resize_(0)
+        self.buffers[g].untyped_storage().resize_(0)
         for p, view, stand_in in self.views[g]:
             p.data = stand_in
 
@@ -1161,7 +1164,7 @@ class ShardedParameters:
             buf = self.buffers[g]
             if not prefetch:  # prefetched: wait for its all-gathers
                 self._wait_gathered(g)
-            if buf.numel() == 0 or buf.untyped_storage().nbytes() > 0:
+            if buf.numel() == 0 or self._gathered(g):
                 continue  # gathered already (or on its way)
             self._check_same_group(g)
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
@@ -1304,7 +1307,7 @@ class ShardedParameters:
 
     def on_grad(self, p):
         g = self.group_of[p]
-        if self.buffers[g].untyped_storage().nbytes() == 0:  # not gathered: it was read as its NaN stand-in
+        if not self._gathered(g):  # so it was read as its NaN stand-in
             raise RuntimeError(f"stage 3: a parameter of {self.names[g]} got a gradient while {self.names[g]} was "
                                f"neither running nor gathered for backward, so the forward read it as NaN (e.g. "
                                f"a parent reading a child's weight without calling the child): make the module "
@@ -1485,8 +1488,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         runs = [(trainable, True), (frozen, False)]
     else:  # group by group, as stage 3 gathers them
         groups, hooks, shared = gather_groups(module, stage3_units or ())
-        runs = [([p for p in members if p.requires_grad == trainable], trainable)
-                for members in groups for trainable in (True, False)]
+        runs = [([p for p in members if p.requires_grad == wants_grad], wants_grad)
+                for members in groups for wants_grad in (True, False)]
     bucket_numel = bucket_numel or default_bucket_numel(dist.get_world_size(group))
     partition = FlatPartition(params, [(run, t) for run, t in runs if run], group, bucket_numel, reduction,
                               torch.device(device))
