@@ -75,14 +75,15 @@ def ddp_reference(opt_name, symmetric, max_norm=None, schedule=False):
 
 def on_rank_match_ddp(stage, opt_name, bucket_numel, reduction="exact", max_norm=None, schedule=False):
     symmetric = stage == 3
-    reference = ddp_reference(opt_name, symmetric, max_norm, schedule)
+    reference = ddp_reference(opt_name, symmetric, max_norm, bool(schedule))
     model = make_model()
     cls, kw = OPTIMIZERS[opt_name]
     model, opt = zero.initialize(model, cls, stage=stage, param_groups=param_groups(model),
                                  bucket_numel=bucket_numel, reduction=reduction, **kw)
-    # a torch LR scheduler drives the torch optimizer over this rank's pieces, whose param_groups
-    # are zero's own
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt.optim, SCHEDULE) if schedule else None
+    # a torch LR scheduler drives zero's optimizer, or the torch optimizer over this rank's
+    # pieces, whose param_groups are zero's own
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt.optim if schedule == "optim" else opt, SCHEDULE) \
+        if schedule else None
     mismatches = []
     for step, (ref_loss, ref_state, ref_optim, ref_norm) in enumerate(reference):
         x, y = batch(step)
@@ -116,11 +117,58 @@ def test_stage_matches_ddp_bitwise(world, stage, opt_name, nd):
 
 
 @pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("over", ["optimizer", "optim"])
 @pytest.mark.parametrize("stage", [1, 3])
-def test_torch_lr_scheduler_drives_zero_as_it_drives_ddp(world, stage):
-    """LambdaLR over optimizer.optim (the torch optimizer zero steps) scales the lr by 0.6 every
-    step: the same bits as DDP with the same scheduler, at every step."""
-    assert world(2).run(on_rank_match_ddp, stage, "adamw", 64, "exact", None, True) == [[]] * 2
+def test_torch_lr_scheduler_drives_zero_as_it_drives_ddp(world, stage, over):
+    """LambdaLR over zero's optimizer, or over optimizer.optim (the torch optimizer zero steps),
+    scales the lr by 0.6 every step: the same bits as DDP with the same scheduler, at every step."""
+    assert world(2).run(on_rank_match_ddp, stage, "adamw", 64, "exact", None, over) == [[]] * 2
+
+
+SCHEDULERS = {
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=6),  # reads defaults
+    "CosineAnnealingLR": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4),
+    "SequentialLR": lambda opt: torch.optim.lr_scheduler.SequentialLR(opt, [
+        torch.optim.lr_scheduler.LinearLR(opt, 0.1, total_iters=2), torch.optim.lr_scheduler.StepLR(opt, 2)], [2]),
+    "ReduceLROnPlateau": lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0),
+}
+
+
+def on_rank_scheduler_lrs(name, stage):
+    """Each group's lr and the loss after each of 5 steps, with scheduler `name` over zero's
+    optimizer (stage 0-3) or over plain AdamW (stage None)."""
+    torch.manual_seed(0)
+    model = make_model()
+    kw = OPTIMIZERS["adamw"][1]
+    if stage is None:
+        opt = torch.optim.AdamW(param_groups(model), **kw)
+    else:
+        model, opt = zero.initialize(model, torch.optim.AdamW, stage=stage, param_groups=param_groups(model), **kw)
+    scheduler, trace = SCHEDULERS[name](opt), []
+    for step in range(5):
+        x, y = batch(step)
+        loss = F.cross_entropy(model(x, *usage(step, 0, True)).view(-1, VOCAB), y.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step(*([loss.item() * (1 + step)] if name == "ReduceLROnPlateau" else []))  # a rising loss
+        trace.append(([g["lr"] for g in opt.param_groups], loss.detach()))
+    return trace
+
+
+@pytest.mark.xdist_group("world1")
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_torch_lr_schedulers_take_zero_optimizer(world, name):
+    """torch's schedulers take zero's optimizer as they take a torch.optim one (OneCycleLR reads
+    its defaults, ReduceLROnPlateau checks its type): the same lr in every group after every
+    step, and the same losses, as the scheduler over plain AdamW."""
+    reference = world(1).run(on_rank_scheduler_lrs, name, None)[0]
+    for stage in (0, 3):
+        trace = world(1).run(on_rank_scheduler_lrs, name, stage)[0]
+        print(name, f"stage {stage}", [lrs for lrs, loss in trace])
+        assert [lrs for lrs, loss in trace] == [lrs for lrs, loss in reference]
+        assert len({lrs[0] for lrs, loss in trace}) > 1, "the schedule never changed the lr"
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(trace, reference))
 
 
 @pytest.mark.xdist_group("world3")

@@ -419,11 +419,12 @@ class Piece:
     own: slice  # where it lies in this rank's own space
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(torch.optim.Optimizer):
     """The optimizer a user steps: backward (with fp16 loss scaling), clip_grad_norm_, step,
     zero_grad. It composes the parameters (5.1 or 5.3) and the gradient buckets (5.2). `optim`
-    is the torch optimizer over this rank's pieces (its param_groups are ours): hand it to a
-    torch LR scheduler."""
+    is the torch optimizer over this rank's pieces; its param_groups, defaults and state are
+    ours. A torch.optim.Optimizer, so that torch's LR schedulers take it; Optimizer.__init__ is
+    not called, as `optim` holds the groups and the state."""
 
     def __init__(self, module, partition, parameters, gradients, owned, precision, loss_scale, start,
                  optimizer_class, param_groups, optimizer_kwargs, tp_group):
@@ -486,6 +487,18 @@ class ZeroOptimizer:
     @property
     def param_groups(self):
         return self.optim.param_groups
+
+    @property
+    def defaults(self):
+        return self.optim.defaults
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    def add_param_group(self, param_group):
+        raise RuntimeError("zero.initialize lays out every parameter's shard once: pass all the groups to it as "
+                           "param_groups=[{'params': [...], **options}, ...]")
 
     def backward(self, loss):
         """loss.backward(), scaled by the loss scale when fp16 loss scaling is on."""
