@@ -32,6 +32,7 @@ import os
 import pathlib
 import pickle
 import shutil
+import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -960,14 +961,15 @@ class FlatParameters:
                 if next(m.parameters(), None) is not None:  # a module with no parameter below reads none
                     m.register_forward_pre_hook(lambda mod, args: self._pre_forward(mod))
                 m.register_state_dict_pre_hook(lambda *args: self.wait())
-                m.named_parameters = functools.partial(self._after_wait, m.named_parameters)  # parameters() too
+                m.named_parameters = types.MethodType(self._after_wait, m)  # parameters() too
             module.register_forward_hook(lambda mod, args, out: self._learn_ends())
 
-    def _after_wait(self, named_parameters, *args, **kwargs):
+    def _after_wait(self, module, *args, **kwargs):
         """A parameter read between step() and the next forward (an EMA, a logged norm) is the
-        stepped weight: listing the parameters waits for the all-gathers in flight."""
+        stepped weight: listing the parameters waits for the all-gathers in flight. (A method
+        of the module, as torch.compile expects named_parameters to be.)"""
         self.wait()
-        return named_parameters(*args, **kwargs)
+        return type(module).named_parameters(module, *args, **kwargs)
 
     def _pre_forward(self, m):
         if self.ends is None:  # the first forward waits for everything and notes which modules run
