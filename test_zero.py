@@ -1135,7 +1135,7 @@ def on_rank_torch_idioms(stage):
     failures += compare("clip_grad_norm_ with no gradient (torch: 0)", opt.clip_grad_norm_(1.0), torch.zeros(()))
     loss_of(model, 0).backward()
     opt.step()
-    failures += missed_errors({"backward after optimizer.step() without optimizer.zero_grad()":
+    failures += missed_errors({"backward reached Net's parameters after its optimizer.step() without optimizer.zero_grad()":
                                lambda: loss_of(model, 1).backward()}, RuntimeError)
     model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
     model.frozen.requires_grad_(True)  # frozen when initialize laid out the buffers

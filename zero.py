@@ -799,11 +799,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 # reduced chunks (4Ψ/Nd), a bucket living until it is reduced. Each micro-batch's backward is
 # reduced on its own and added to the sum so far.
 class GradientBuckets:
-    def __init__(self, partition, precision, keep_full, replicate, on_grad, on_backward_end):
+    def __init__(self, partition, precision, keep_full, replicate, on_grad, on_backward_end, name):
         """keep_full: stages 0-1; replicate: stage 0, whose all-reduce is the reduce-scatter
         followed by an all-gather of the reduced chunks. on_grad(p), on_backward_end(): the
-        parameters' hooks (stage 3 frees a module's parameters when backward is done with them)."""
-        self.partition, self.precision, self.replicate = partition, precision, replicate
+        parameters' hooks (stage 3 frees a module's parameters when backward is done with them).
+        name: the model's class, for errors."""
+        self.partition, self.precision, self.replicate, self.name = partition, precision, replicate, name
         self.on_grad, self.on_backward_end = on_grad, on_backward_end
         self.n_trainable = sum(p.requires_grad for p in partition.params)
         device = partition.device
@@ -867,8 +868,10 @@ class GradientBuckets:
         if self.require_scaled_backward and not self.scaled_backward:
             raise RuntimeError("with fp16 loss scaling, call optimizer.backward(loss) instead of loss.backward()")
         if self.stepped:  # its sum would be added to the gradients the step has used
-            raise RuntimeError("backward after optimizer.step() without optimizer.zero_grad() (or model.zero_grad()): "
-                               "zero the gradients after each step")
+            raise RuntimeError(f"backward reached {self.name}'s parameters after its optimizer.step() without "
+                               f"optimizer.zero_grad() (or model.zero_grad()): zero the gradients after each step "
+                               f"(also before another model's loss backpropagates through this one, as a GAN's "
+                               f"generator loss through its discriminator)")
         Variable._execution_engine.queue_callback(self._finish_backward)
         self.in_backward = True
 
@@ -1519,7 +1522,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         parameters = ShardedParameters(partition, module, groups, hooks, shared, precision.param_dtype, prefetch,
                                        check_timeout)
     gradients = GradientBuckets(partition, precision, keep_full=stage < 2, replicate=stage == 0,
-                                on_grad=parameters.on_grad, on_backward_end=parameters.on_backward_end)
+                                on_grad=parameters.on_grad, on_backward_end=parameters.on_backward_end,
+                                name=type(module).__name__)
     if stage == 3:
         parameters.gradients = gradients
     buckets = range(len(partition.buckets))
