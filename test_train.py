@@ -103,6 +103,7 @@ def test_train_loss_curves_are_identical_for_stages_0_and_3(tmp_path):
     (["--contiguous"], "add --checkpoint full, P_a or P_a+cpu"),
     (["--save_dir", os.path.join(HERE, "README.md")], "README.md is a file: give a directory"),
     (["--data", os.path.join(HERE, ".gitignore"), "--seq_len", "100"], "use a corpus of 1020 bytes or more"),
+    (["--data", os.path.join(HERE, "no_such_file.txt")], "no_such_file.txt is not a file: give a text file"),
 ])
 def test_train_bad_flags_say_what_to_change(flags, message):
     proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *flags], capture_output=True,

@@ -74,6 +74,8 @@ def parse_args(argv=None):
         p.error("--contiguous keeps activation checkpoints in one buffer: add --checkpoint full, P_a or P_a+cpu")
     if args.save_dir and pathlib.Path(args.save_dir).exists() and not pathlib.Path(args.save_dir).is_dir():
         p.error(f"--save_dir {args.save_dir} is a file: give a directory, where step_NNNNNN checkpoints go")
+    if args.data and not pathlib.Path(args.data).is_file():
+        p.error(f"--data {args.data} is not a file: give a text file (or leave --data out for the standard library)")
     if args.out and pathlib.Path(args.out).is_dir():
         p.error(f"--out {args.out} is a directory: give a file path, e.g. {args.out}/run.json")
     n_head = PRESETS[args.model].n_head
@@ -110,8 +112,8 @@ def load_corpus(path):
     and prose rather than code, the codecs' encodings and pydoc's topics, left out), each passed
     through `strip_source`: no comments or docstrings, continuation lines in brackets re-indented
     to the statement's indentation plus one level, and every line of code indented with one tab
-    per 4 spaces (one byte per level). About 4.7 MB on Python 3.11, identical on every rank. A
-    file given with --data is read as it is.
+    per 4 spaces (one byte per level). About 4.7 MB on Python 3.11. A file given with --data is
+    read as it is. main() calls this on rank 0 and sends the bytes to the other ranks.
     """
     if path is not None:
         return pathlib.Path(path).read_bytes()
@@ -261,8 +263,10 @@ def main(argv=None):
     dp_rank, tp_rank = dist.get_rank(dp_group), dist.get_rank(tp_group)
     log = print if rank == 0 else (lambda *a, **k: None)
 
-    # data: the same bytes on every rank; 90% train, 10% validation
-    data = torch.frombuffer(bytearray(load_corpus(args.data)), dtype=torch.uint8)
+    # data: the same bytes on every rank, prepared by rank 0 alone; 90% train, 10% validation
+    corpus = [load_corpus(args.data) if rank == 0 else None]
+    dist.broadcast_object_list(corpus, group_src=0)
+    data = torch.frombuffer(bytearray(corpus.pop()), dtype=torch.uint8)
     split = int(0.9 * len(data))
     train_data, val_data = data[:split], data[split:]
     if len(val_data) <= args.seq_len + 1:
