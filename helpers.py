@@ -56,21 +56,26 @@ def make_model():
     return Net()
 
 
-def rank_order_hook(state, bucket):
+def pairwise_sum(parts):
+    """The sum of parts (one per rank, in rank order) in zero.py's exact order, written out here:
+    neighbours added pairwise, level by level, an odd last one carried up as it is:
+    (g_0 + g_1) + g_2 at Nd 3, (g_0 + g_1) + (g_2 + g_3) at Nd 4."""
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def pairwise_hook(state, bucket):
     """DDP's own all_reduce, at world size 3 and more, sums each element in an order that
     depends on the bucket layout (gloo's ring; and DDP rebuilds its buckets after the first
-    step), which no other layout reproduces. This comm hook makes DDP sum in rank order,
-    ((g_0 + g_1) + g_2) + ..., then divide by Nd: the arithmetic zero.py does. DDP hands a hook
-    the undivided local gradients."""
+    step), which no other layout reproduces. This comm hook makes DDP sum in zero.py's order,
+    pairwise_sum, then divide by Nd. DDP hands a hook the undivided local gradients."""
     nd = dist.get_world_size()
     t = bucket.buffer()
     parts = [torch.empty_like(t) for _ in range(nd)]
     dist.all_gather(parts, t)
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total.add_(part)
     fut = torch.futures.Future()
-    fut.set_result(total.div_(nd))
+    fut.set_result(pairwise_sum(parts).div_(nd))
     return fut
 
 

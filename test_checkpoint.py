@@ -213,8 +213,8 @@ def on_rank_zero_next_step(path, stage):
 
 def plain_next_step(path, nd):
     """An unsharded GPT and torch's AdamW from the consolidated checkpoint, one step on the
-    batches of nd ranks: each rank's gradient, summed in rank order, divided by nd (zero's
-    exact reduction), so the bits are zero's."""
+    batches of nd ranks: each rank's gradient, summed, divided by nd (zero's exact reduction; at
+    nd 1-2 every order of the sum gives the same bits), so the bits are zero's."""
     state = zero.consolidate(path, pathlib.Path(path).parent / "plain.pt")
     module = GPT(CONFIG, seed=0)
     module.load_state_dict(state["model"])

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import memory_table as mt
 import zero
+from helpers import pairwise_sum
 from ranks import run_on_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -47,8 +48,8 @@ def test_stages_give_the_same_losses_under_deterministic_algorithms(tmp_path):
 
 
 def on_rank_exact_reduction(numel):
-    """zero's exact reduce-scatter of one bucket on NCCL, and the rank-order fold of every
-    rank's bucket computed here from an all-gather of them."""
+    """zero's exact reduce-scatter of one bucket on NCCL, and the pairwise sum of every rank's
+    bucket computed here from an all-gather of them."""
     device = torch.device("cuda", torch.cuda.current_device())
     nd, rank = dist.get_world_size(), dist.get_rank()
     param = torch.nn.Parameter(torch.empty(numel, device=device))
@@ -58,17 +59,14 @@ def on_rank_exact_reduction(numel):
     bucket = torch.randn(chunk * nd, device=device, generator=g)
     everyone = [torch.empty_like(bucket) for _ in range(nd)]
     dist.all_gather(everyone, bucket)
-    want = everyone[0][rank * chunk:(rank + 1) * chunk].clone()
-    for j in range(1, nd):
-        want += everyone[j][rank * chunk:(rank + 1) * chunk]
-    want /= nd
+    want = pairwise_sum([b[rank * chunk:(rank + 1) * chunk] for b in everyone]) / nd
     got = torch.empty(chunk, device=device)
     part.finish_reduce(part.reduce_scatter(bucket, 0), got, add=False)
     return bool(torch.equal(got, want))
 
 
 @pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs or more for a reduction across ranks")
-def test_exact_reduction_on_nccl_equals_the_rank_order_fold():
+def test_exact_reduction_on_nccl_equals_the_pairwise_sum():
     assert run_on_ranks(NGPU, on_rank_exact_reduction, 1_000_003, backend="nccl") == [True] * NGPU
 
 

@@ -3,7 +3,7 @@
     python -m pytest -n 2 test_mixed.py
 
 The reference is written here on torch's DDP: a 16-bit model whose gradients DDP averages
-(with the rank-order comm hook at world size 3+, see helpers.rank_order_hook), and an fp32
+(with the pairwise comm hook at world size 3+, see helpers.pairwise_hook), and an fp32
 master copy of its weights updated by torch.optim.AdamW after torch.nn.utils.clip_grad_norm_.
 Accumulation semantics, the same on both sides: each micro-batch's gradient is averaged over
 ranks on its own (in the reduction dtype), and the averages are summed in micro-batch order.
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero
-from helpers import VOCAB, compare, make_model, rank_order_hook, settled, usage
+from helpers import VOCAB, compare, make_model, pairwise_hook, pairwise_sum, settled, usage
 
 STEPS, MICRO, MAX_NORM = 5, 4, 0.05  # MAX_NORM: below every step's gradient norm, so clipping acts
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,8 +51,9 @@ def inject_overflow(model, dtype_name, step, m):
 
 def reduce_fp32_by_hand(model, trainable):
     """What DDP cannot do for reduce_dtype=fp32 (its hook's result is written back into the
-    16-bit gradient): each rank's 16-bit gradient cast to fp32, gathered, summed in rank order
-    and divided by Nd, as fp32; None for a parameter no rank used (find_unused_parameters)."""
+    16-bit gradient): each rank's 16-bit gradient cast to fp32, gathered, summed in zero's order
+    (helpers.pairwise_sum) and divided by Nd, as fp32; None for a parameter no rank used
+    (find_unused_parameters)."""
     nd = dist.get_world_size()
     used = torch.tensor([p.grad is not None for p, w in trainable], dtype=torch.int32)
     dist.all_reduce(used, op=dist.ReduceOp.MAX)
@@ -61,10 +62,7 @@ def reduce_fp32_by_hand(model, trainable):
         g = p.grad.float() if p.grad is not None else torch.zeros(p.shape)
         parts = [torch.empty_like(g) for _ in range(nd)]
         dist.all_gather(parts, g)
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total.add_(part)
-        reduced.append(total.div_(nd) if u else None)
+        reduced.append(pairwise_sum(parts).div_(nd) if u else None)
     return reduced  # fp32, in trainable's order
 
 
@@ -80,7 +78,7 @@ def reference(dtype_name, fp16_scale, reduce32=False):
     model.to(dtype)
     ddp = DDP(model, find_unused_parameters=True) if not reduce32 else model
     if dist.get_world_size() >= 3 and not reduce32:
-        ddp.register_comm_hook(None, rank_order_hook)
+        ddp.register_comm_hook(None, pairwise_hook)
     opt = torch.optim.AdamW(groups([w for p, w in trainable]), **OPTIM)
     scale, clean = fp16_scale, 0
     trajectory = []

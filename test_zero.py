@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero
-from helpers import DIM, VOCAB, compare, make_model, missed_errors, rank_order_hook, settled, usage
+from helpers import DIM, VOCAB, compare, make_model, missed_errors, pairwise_hook, settled, usage
 
 STEPS = 6
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
@@ -51,7 +51,7 @@ def ddp_reference(opt_name, symmetric, max_norm=None, schedule=False):
     model = make_model()
     ddp = DDP(model, find_unused_parameters=True)
     if dist.get_world_size() >= 3:
-        ddp.register_comm_hook(None, rank_order_hook)
+        ddp.register_comm_hook(None, pairwise_hook)
     cls, kw = OPTIMIZERS[opt_name]
     opt = cls(param_groups(model), **kw)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, SCHEDULE) if schedule else None

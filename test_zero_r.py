@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import zero
 from gpt import GPT, GPTConfig, make_mesh
+from helpers import pairwise_sum
 
 CONFIG = GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=4, n_embd=32)
 B, T = 3, 16
@@ -361,6 +362,41 @@ def test_no_collective_grows_with_nd_at_world_64(stage, reduction):
         assert largest <= 2 * bucket_numel and most_received <= 2 * bucket_numel, (largest, most_received)
         assert "broadcast" not in used, used
         assert {"all_gather_single", "all_to_all_single" if reduction == "exact" else "reduce_scatter_single"} <= used
+
+
+class CountAdds(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.adds = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.adds += func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("nd", [3, 64, 1000, 1024])
+def test_exact_sum_of_a_bucket_is_a_pairwise_tree_of_log2_nd_adds(nd):
+    """The exact reduction's sum of one bucket's Nd rows, as rank 0 of a fake world of nd (its
+    all-to-all moves no data: the rows are written here): the pairwise sum of helpers.py, bit for
+    bit, in ceil(log2 Nd) adds, one per level of the tree, however large Nd (a fold rank by rank
+    would launch Nd - 1)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=nd)
+    try:
+        param = nn.Parameter(torch.empty(nd * 24))
+        part = zero.FlatPartition([param], [([param], True)], None, nd * 24, "exact", torch.device("cpu"))
+        chunk = part.buckets[0].chunk
+        pending = part.reduce_scatter(torch.zeros(chunk * nd), 0)
+        rows = torch.randn(nd, chunk, generator=torch.Generator().manual_seed(nd))
+        pending[2].copy_(rows)  # what rank j's chunk 0 would be, in row j
+        out, counter = torch.empty(chunk), CountAdds()
+        with counter:
+            part.finish_reduce(pending, out, add=False)
+    finally:
+        dist.destroy_process_group()
+    print(f"Nd {nd}: {counter.adds} adds for a bucket of {nd} x {chunk} elements")
+    assert torch.equal(out, pairwise_sum(list(rows)) / nd)
+    assert counter.adds == math.ceil(math.log2(nd)), counter.adds
 
 
 def test_default_bucket_keeps_every_chunk_at_2_16_elements_or_more():

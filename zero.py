@@ -10,8 +10,10 @@ Parameter Models" (Rajbhandari, Rasley, Ruwase, He; SC 2020), on torch.distribut
     stage 3  P_os+g+p: ... and parameters                               (4 + 4 + K)Ψ/Nd
     (fp32 parameters and gradients here; the paper's 2Ψ terms are its fp16 copies)
 
-reduction="exact" (the default) sums gradients in rank order, ((g_0 + g_1) + g_2) + ..., then
-divides by Nd: every stage gives DistributedDataParallel's bits, whatever the bucket sizes.
+reduction="exact" (the default) sums gradients in one fixed order, a pairwise tree over the ranks
+((g_0 + g_1) + (g_2 + g_3) at Nd 4), then divides by Nd: every stage and bucket size gives the
+same bits, DistributedDataParallel's at Nd 2 (beyond, DDP's all-reduce sums in an order set by its
+bucket layout; the tests give it this one with a comm hook).
 reduction="native" uses the backend's reduce-scatter, in its own order (on NCCL the same traffic).
 
 In the paper's order: Section 3 (where the memory goes), 3.1 (mixed precision), 5 and 7 (the
@@ -284,21 +286,21 @@ class FlatPartition:
 
     def finish_reduce(self, pending, out, add):
         """Wait for a reduce_scatter; write its mean into out (chunk,), or add it (add=True).
-        Exact: rows summed in rank order, ((g_0 + g_1) + g_2) + ..., then divided by Nd."""
+        Exact: the Nd rows summed pairwise, a tree fixed by rank, (g_0 + g_1) + (g_2 + g_3) at
+        Nd 4, then divided by Nd. A level is one add over all its pairs: ceil(log2 Nd) kernels a
+        bucket, where a rank-by-rank fold would launch Nd - 1 (15 million a step for 1T at Nd 1024)."""
         work, bucket, rows = pending
         work.wait()  # `bucket` was kept alive until now: it is the send buffer
         if out.is_meta:  # memory_table.py's simulation: meta tensors hold no values to add
             return
-        total = torch.empty_like(out) if add else out
-        if len(rows) == 1:
-            total.copy_(rows[0])
-        else:
-            torch.add(rows[0], rows[1], out=total)
-            for j in range(2, self.nd):
-                total.add_(rows[j])
-        total.div_(self.nd)
+        while len(rows) > 1:  # (n, chunk) -> (ceil(n / 2), chunk): row 2i += row 2i + 1, in place
+            pairs = len(rows) // 2
+            rows[0:2 * pairs:2].add_(rows[1:2 * pairs:2])
+            rows = rows[0::2]  # the sums, and an odd last row as it was
         if add:  # a later micro-batch: its mean added to the sum so far
-            out.add_(total)
+            out.add_(rows[0].div_(self.nd))
+        else:
+            torch.div(rows[0], self.nd, out=out)
 
     def all_gather(self, out, mine, async_op=True):
         """out (chunk * Nd,): every rank's chunk; mine (chunk,) this rank's, in place when it is
@@ -1647,7 +1649,7 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     if bucket_numel is not None and bucket_numel < 1:
         raise ValueError(f"bucket_numel must be at least 1 (got {bucket_numel})")
     if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be 'exact' (rank-order sums, bit-reproducible) or 'native' (the backend's "
+        raise ValueError(f"reduction must be 'exact' (sums in a fixed order, bit-reproducible) or 'native' (the backend's "
                          f"reduce-scatter) (got {reduction!r})")
 
 
