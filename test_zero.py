@@ -1177,6 +1177,10 @@ def on_rank_bad_inputs():
             nn.Linear(2, 2), torch.optim.AdamW, stage=1, tp_group=2),
         "prefetch must be 0 \\(off\\) or more": lambda: zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=3,
                                                                     prefetch=-1),
+        "reduction must be 'exact' .* or 'native' .* \\(got 'fast'\\)": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.AdamW, stage=1, reduction="fast"),
+        "bucket_numel must be at least 1 \\(got 0\\)": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.AdamW, stage=1, bucket_numel=0),
         "param_groups leaves out trainable parameters": lambda: (lambda m: zero.initialize(
             m, torch.optim.AdamW, stage=1, param_groups=[{"params": [m.weight]}]))(nn.Linear(2, 2)),
         "already sharded by zero.initialize: keep the model": lambda: zero.initialize(

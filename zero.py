@@ -1649,8 +1649,8 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     if bucket_numel is not None and bucket_numel < 1:
         raise ValueError(f"bucket_numel must be at least 1 (got {bucket_numel})")
     if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be 'exact' (sums in a fixed order, bit-reproducible) or 'native' (the backend's "
-                         f"reduce-scatter) (got {reduction!r})")
+        raise ValueError(f"reduction must be 'exact' (sums in a fixed order, bit-reproducible) or 'native' (the "
+                         f"backend's reduce-scatter) (got {reduction!r})")
 
 
 def _engine(module):
