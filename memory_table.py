@@ -33,6 +33,8 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 from tabulate import tabulate
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import train
 import zero
@@ -207,9 +209,27 @@ def formula_section(args):
 SIMULATED = [("7.5b", "7.5B", 64), ("128b", "128B", 256), ("1t", "1T", 1024)]
 
 
+class LargestNewTensor(TorchDispatchMode):
+    """with LargestNewTensor() as m: ... -> m.bytes: the largest tensor an op made inside, one
+    whose storage is none of the op's inputs' (an in-place op or a view makes none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_storage(t) for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
+        for t in tree_flatten(out)[0]:
+            if torch.is_tensor(t) and _storage(t) not in inputs:
+                self.bytes = max(self.bytes, t.untyped_storage().nbytes())
+        return out
+
+
 def simulate(preset, nd, stage, rank):
     """zero.py at `stage` for a meta GPT, as `rank` of a fake world of nd, default buckets:
-    (Ψ, model-state bytes after backward, the CommCounter of one training step)."""
+    (Ψ, model-state bytes after backward, the CommCounter of one training step, the bytes of the
+    largest tensor its clip_grad_norm_ made)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore   # registers the "fake" backend
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=nd)
     before = zero.live_tensor_bytes("meta")  # what an earlier simulation may have left, not yet collected
@@ -227,10 +247,11 @@ def simulate(preset, nd, stage, rank):
         with CommCounter(_zero_storages(optimizer)) as comm:  # one training step
             optimizer.backward(model(idx, idx)[1])
             measured = zero.live_tensor_bytes("meta") - before - idx.numel() * idx.element_size()  # after backward
-            optimizer.clip_grad_norm_(1.0)
+            with LargestNewTensor() as clip:
+                optimizer.clip_grad_norm_(1.0)
             optimizer.step()
         del model, optimizer, module
-        return psi, measured, comm
+        return psi, measured, comm, clip.bytes
     finally:
         dist.destroy_process_group()
 
@@ -241,11 +262,12 @@ def simulate_section(args):
         for stage in (1, 2, 3):
             t0 = time.perf_counter()
             for rank in (0, nd - 1):
-                psi, measured, comm = simulate(preset, nd, stage, rank)
+                psi, measured, comm, clip_bytes = simulate(preset, nd, stage, rank)
                 comm_rows.append(dict(model=preset, psi=psi, nd=nd, stage=stage, name=STAGES[stage], rank=rank,
                                       largest_temporary_bytes=comm.largest, largest_temporary_numel=comm.largest_numel,
                                       bucket_numel=zero.default_bucket_numel(nd),
-                                      sent=float(sum(comm.sent.values())), received=float(sum(comm.received.values()))))
+                                      sent=float(sum(comm.sent.values())), received=float(sum(comm.received.values())),
+                                      clip_largest_bytes=clip_bytes))
                 if rank == 0:
                     formula = model_state_bytes(psi, nd, stage)
                     rows.append(dict(model=preset, psi=psi, nd=nd, stage=stage, name=STAGES[stage],
@@ -261,8 +283,9 @@ def simulate_section(args):
             "Section 5 for gpt.py's exact Ψ; Table 1's cell is for the paper's round Ψ.")
     table = [[r["model"], r["nd"], r["name"], r["rank"], f"{r['largest_temporary_bytes'] / 2**20:.0f}",
               f"{r['largest_temporary_numel'] / r['bucket_numel']:.2f}", f"{r['sent'] / r['psi']:.4f}",
-              f"{r['received'] / r['psi']:.4f}"] for r in comm_rows]
-    headers = ["model", "Nd", "stage", "rank", "largest temporary MiB", "in buckets", "sent / Ψ", "received / Ψ"]
+              f"{r['received'] / r['psi']:.4f}", f"{r['clip_largest_bytes'] / 2**20:.0f}"] for r in comm_rows]
+    headers = ["model", "Nd", "stage", "rank", "largest temporary MiB", "in buckets", "sent / Ψ", "received / Ψ",
+               "clip's largest MiB"]
     comm_text = (_table(table, headers) +
                  "\none training step (backward, clip_grad_norm_, step) of the same runs, as rank 0 and as rank\n"
                  "Nd-1, default buckets (zero.default_bucket_numel: 2^22 elements at Nd 64, 2^24 at 256, 2^26 at\n"
@@ -273,7 +296,11 @@ def simulate_section(args):
                  "convention).\n"
                  "Section 7: 2 x (Nd-1)/Nd Ψ at stages 1-2 and 3 x (Nd-1)/Nd Ψ at stage 3, the same on every\n"
                  "rank; clipping adds about Ψ/Nd sent: each gradient's pieces brought whole to the rank finding\n"
-                 "its norm, so a rank receives at least its largest gradient (rank 0 at 7.5b: the token embedding).")
+                 "its norm, so a rank receives at least its largest gradient (rank 0 at 7.5b: the token embedding).\n"
+                 "clip's largest: the largest tensor clip_grad_norm_ makes: the fp32 copy of this rank's gradient\n"
+                 "shard (4Ψ/Nd, made by the step's first read of the gradients, here the clip; freed by step()),\n"
+                 "or a gradient brought whole to the rank taking its norm: not handed to a collective, the one\n"
+                 "temporary beyond C_B, up to the largest parameter (stage 3 gathers a unit at least that large).")
     return {"simulate": dict(heading="Simulated at the paper's scale: zero.py on meta models in a fake world",
                              rows=rows, text=text),
             "simulate_comm": dict(heading="Communication at the paper's scale: the same simulated step, per rank",

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import memory_table as mt
 import zero
-from gpt import GPT, GPTConfig, num_params
+from gpt import GPT, GPTConfig, PRESETS, num_params
 
 K = 12
 # The paper's Table 1 (GB), typed again: {Ψ: {Nd: (P_os, P_os+g, P_os+g+p)}}
@@ -165,7 +165,10 @@ def test_main_with_no_section_flags_runs_every_section(monkeypatch, capsys):
 def test_simulated_7_5b_at_nd_64_matches_the_formula_within_1_percent():
     """zero.py's own partitioning of gpt.py's 7.5B model on the meta device, rank 0 of a fake world
     of 64 (in a subprocess: the fake process group is process-wide). Formula, written here:
-    Section 5 with K = 12: P_os 2Ψ + 2Ψ + 12Ψ/Nd, P_os+g 2Ψ + 14Ψ/Nd, P_os+g+p 16Ψ/Nd."""
+    Section 5 with K = 12: P_os 2Ψ + 2Ψ + 12Ψ/Nd, P_os+g 2Ψ + 14Ψ/Nd, P_os+g+p 16Ψ/Nd. Clipping's
+    largest tensor: at least the fp32 copy of the rank's gradient shard (4Ψ/Nd), at most the largest
+    parameter's gradient whole in fp32 (the token embedding), which rank 0, the first parameter's
+    norm rank, holds."""
     out = subprocess.run([sys.executable, "memory_table.py", "--simulate", "--sizes", "7.5b", "--json"],
                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -175,6 +178,11 @@ def test_simulated_7_5b_at_nd_64_matches_the_formula_within_1_percent():
         psi, nd = r["psi"], 64
         formula = {1: 4 * psi + 12 * psi / nd, 2: 2 * psi + 14 * psi / nd, 3: 16 * psi / nd}[r["stage"]]
         assert abs(r["measured_gb"] * 1e9 / formula - 1) < 0.01, r
+    embedding = PRESETS["7.5b"].vocab_size * PRESETS["7.5b"].n_embd
+    for r in json.loads(out.stdout)["simulate_comm"]["rows"]:
+        print(f"stage {r['stage']} rank {r['rank']}: clip's largest tensor {r['clip_largest_bytes']} bytes")
+        assert 4 * r["psi"] / 64 <= r["clip_largest_bytes"] <= 4 * embedding, r
+        assert r["rank"] != 0 or r["clip_largest_bytes"] == 4 * embedding, r
 
 
 # -----------------------------------------------------------------------------------------
