@@ -33,6 +33,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 from tabulate import tabulate
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -209,27 +210,31 @@ def formula_section(args):
 SIMULATED = [("7.5b", "7.5B", 64), ("128b", "128B", 256), ("1t", "1T", 1024)]
 
 
-class LargestNewTensor(TorchDispatchMode):
-    """with LargestNewTensor() as m: ... -> m.bytes: the largest tensor an op made inside, one
-    whose storage is none of the op's inputs' (an in-place op or a view makes none)."""
+class PeakNewBytes(TorchDispatchMode):
+    """with PeakNewBytes() as m: ... -> m.peak: the most bytes held at once, after any op inside,
+    by the storages the ops inside made (one none of the op's inputs has: an in-place op or a view
+    makes none), each counted until it is freed."""
 
     def __init__(self):
         super().__init__()
-        self.bytes = 0
+        self.live, self.peak = {}, 0  # storage id -> (a weak reference to it, its bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {_storage(t) for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
         for t in tree_flatten(out)[0]:
             if torch.is_tensor(t) and _storage(t) not in inputs:
-                self.bytes = max(self.bytes, t.untyped_storage().nbytes())
+                self.live[_storage(t)] = StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()
+        self.live = {k: (ref, n) for k, (ref, n) in self.live.items() if not ref.expired()}
+        self.peak = max(self.peak, sum(n for ref, n in self.live.values()))
         return out
 
 
 def simulate(preset, nd, stage, rank):
     """zero.py at `stage` for a meta GPT, as `rank` of a fake world of nd, default buckets:
-    (Ψ, model-state bytes after backward, the CommCounter of one training step, the bytes of the
-    largest tensor its clip_grad_norm_ made)."""
+    (Ψ, model-state bytes after backward, the CommCounter of one training step, the most bytes its
+    clip_grad_norm_ and step() held at once in tensors they made). AdamW with foreach=True, a GPU's
+    default."""
     from torch.testing._internal.distributed.fake_pg import FakeStore   # registers the "fake" backend
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=nd)
     before = zero.live_tensor_bytes("meta")  # what an earlier simulation may have left, not yet collected
@@ -238,7 +243,7 @@ def simulate(preset, nd, stage, rank):
         psi = sum(p.numel() for p in module.parameters())
         model, optimizer = zero.initialize(module, torch.optim.AdamW, stage=stage, param_dtype=torch.bfloat16,
                                            stage3_units=module.h, init_fn=module.init_weights, device="meta",
-                                           lr=1e-4)
+                                           lr=1e-4, foreach=True)
         idx = torch.zeros(1, 8, dtype=torch.long, device="meta")
         optimizer.backward(model(idx, idx)[1])  # stage 3 learns the units' order
         optimizer.clip_grad_norm_(1.0)  # as train.py: the clipping plan is made here
@@ -247,11 +252,11 @@ def simulate(preset, nd, stage, rank):
         with CommCounter(_zero_storages(optimizer)) as comm:  # one training step
             optimizer.backward(model(idx, idx)[1])
             measured = zero.live_tensor_bytes("meta") - before - idx.numel() * idx.element_size()  # after backward
-            with LargestNewTensor() as clip:
+            with PeakNewBytes() as made:
                 optimizer.clip_grad_norm_(1.0)
-            optimizer.step()
+                optimizer.step()
         del model, optimizer, module
-        return psi, measured, comm, clip.bytes
+        return psi, measured, comm, made.peak
     finally:
         dist.destroy_process_group()
 
@@ -262,12 +267,12 @@ def simulate_section(args):
         for stage in (1, 2, 3):
             t0 = time.perf_counter()
             for rank in (0, nd - 1):
-                psi, measured, comm, clip_bytes = simulate(preset, nd, stage, rank)
+                psi, measured, comm, step_peak = simulate(preset, nd, stage, rank)
                 comm_rows.append(dict(model=preset, psi=psi, nd=nd, stage=stage, name=STAGES[stage], rank=rank,
                                       largest_temporary_bytes=comm.largest, largest_temporary_numel=comm.largest_numel,
                                       bucket_numel=zero.default_bucket_numel(nd),
                                       sent=float(sum(comm.sent.values())), received=float(sum(comm.received.values())),
-                                      clip_largest_bytes=clip_bytes))
+                                      step_peak_bytes=step_peak))
                 if rank == 0:
                     formula = model_state_bytes(psi, nd, stage)
                     rows.append(dict(model=preset, psi=psi, nd=nd, stage=stage, name=STAGES[stage],
@@ -283,9 +288,9 @@ def simulate_section(args):
             "Section 5 for gpt.py's exact Ψ; Table 1's cell is for the paper's round Ψ.")
     table = [[r["model"], r["nd"], r["name"], r["rank"], f"{r['largest_temporary_bytes'] / 2**20:.0f}",
               f"{r['largest_temporary_numel'] / r['bucket_numel']:.2f}", f"{r['sent'] / r['psi']:.4f}",
-              f"{r['received'] / r['psi']:.4f}", f"{r['clip_largest_bytes'] / 2**20:.0f}"] for r in comm_rows]
+              f"{r['received'] / r['psi']:.4f}", f"{r['step_peak_bytes'] / 2**20:.0f}"] for r in comm_rows]
     headers = ["model", "Nd", "stage", "rank", "largest temporary MiB", "in buckets", "sent / Ψ", "received / Ψ",
-               "clip's largest MiB"]
+               "step's peak MiB"]
     comm_text = (_table(table, headers) +
                  "\none training step (backward, clip_grad_norm_, step) of the same runs, as rank 0 and as rank\n"
                  "Nd-1, default buckets (zero.default_bucket_numel: 2^22 elements at Nd 64, 2^24 at 256, 2^26 at\n"
@@ -297,10 +302,11 @@ def simulate_section(args):
                  "Section 7: 2 x (Nd-1)/Nd Ψ at stages 1-2 and 3 x (Nd-1)/Nd Ψ at stage 3, the same on every\n"
                  "rank; clipping adds about Ψ/Nd sent: each gradient's pieces brought whole to the rank finding\n"
                  "its norm, so a rank receives at least its largest gradient (rank 0 at 7.5b: the token embedding).\n"
-                 "clip's largest: the largest tensor clip_grad_norm_ makes: the fp32 copy of this rank's gradient\n"
-                 "shard (4Ψ/Nd, made by the step's first read of the gradients, here the clip; freed by step()),\n"
-                 "or a gradient brought whole to the rank taking its norm: not handed to a collective, the one\n"
-                 "temporary beyond C_B, up to the largest parameter (stage 3 gathers a unit at least that large).")
+                 "step's peak: the most bytes clip_grad_norm_ and step() (AdamW, foreach as on a GPU) hold at once\n"
+                 "in tensors they make. The step converts, unscales and clips the gradient and runs the optimizer\n"
+                 "a bucket's worth of the shard at a time; clipping brings each gradient whole, in fp32, to the\n"
+                 "rank taking its norm: not handed to a collective, the one temporary beyond C_B, up to the\n"
+                 "largest parameter (stage 3 gathers a unit at least that large).")
     return {"simulate": dict(heading="Simulated at the paper's scale: zero.py on meta models in a fake world",
                              rows=rows, text=text),
             "simulate_comm": dict(heading="Communication at the paper's scale: the same simulated step, per rank",

@@ -316,11 +316,48 @@ def on_rank_bytes_after_the_step(stage, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_step_frees_its_gradient_copy(world, stage, dtype):
-    """The step reads the gradient in the optimizer's dtype: a 4Ψ/Nd fp32 copy in bf16 training
-    and at stage 1 (its chunks gathered out of the full gradient). It is freed once used, so after
-    step() a rank holds what it held after backward, Section 5's model states, and
-    model_state_bytes counts every byte there is."""
+    """The step reads the gradient in the optimizer's dtype, a copy in bf16 training and at stage
+    1 (its chunks gathered out of the full gradient), a window at a time. Once step() returns a
+    rank holds what it held after backward, Section 5's model states, and model_state_bytes
+    counts every byte there is."""
     for held, again in world(2).run(on_rank_bytes_after_the_step, stage, dtype):
         print(held)
         assert held["step"][0] == held["step"][1] == held["backward"][0] == held["backward"][1], held
         assert again and "call optimizer.zero_grad()" in again, again  # the gradients are gone
+
+
+def on_rank_step_temporaries(stage, dtype, bucket_numel):
+    """The bytes of every storage made since the second backward that is alive after each of the
+    optimizer's updates in the second step (optimizer.optim's step post-hook: the window's
+    gradients are still set), and the largest parameter's elements."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(8)])  # Ψ = 8 x 1056
+    x = torch.randn(16, 32, dtype=dtype)
+    model, opt = zero.initialize(net, torch.optim.AdamW, stage=stage, bucket_numel=bucket_numel, lr=1e-3,
+                                 param_dtype=dtype)
+    alive = []
+    for step in range(2):
+        opt.backward(model(x).float().square().mean())
+        if step == 1:
+            dist.barrier()  # every collective's buffers let go
+            before = zero.live_storages()
+            opt.optim.register_step_post_hook(lambda *args: alive.append(sum(
+                s.nbytes() for k, s in zero.live_storages().items() if k not in before)))
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    return alive, max(p.numel() for p in net.parameters())
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_step_converts_one_bucket_of_gradient_at_a_time(world, stage, dtype):
+    """C_B for the step (Section 6.2): the optimizer runs over windows of at most a bucket (or one
+    larger parameter's piece), so the gradient in its dtype never exists for the whole shard at
+    once. Here Ψ = 8448 over 2 ranks, buckets of 256 elements: a rank's shard in fp32 is 16.9 KB
+    (stage 0: the whole 33.8 KB), one window at most 4 x 1024 B, the largest parameter's."""
+    bucket_numel = 256
+    for alive, largest in world(2).run(on_rank_step_temporaries, stage, dtype, bucket_numel):
+        print(f"stage {stage} {dtype}: {len(alive)} windows, bytes made by the step alive after each: {alive}")
+        assert len(alive) > 1 and max(alive) <= 4 * max(bucket_numel, largest) + 4, alive  # + clip's coefficient

@@ -204,7 +204,8 @@ def on_rank_native_against_exact(stage):
         x, y = batch(0)
         with CommCounter() as counter:
             F.cross_entropy(model(x, True, True).view(-1, VOCAB), y.view(-1)).backward()
-            grads = opt._grads()
+            opt._reduce()
+            grads = opt._grad(slice(0, opt.own_numel))
         flat, part = opt._to_flat(grads), opt.partition  # the whole averaged gradient, flat layout
         names = {p: n for n, p in model.named_parameters()}
         out[reduction] = ({names[p]: flat[a:a + p.numel()].view(p.shape) for p, a in zip(part.params, part.offsets)

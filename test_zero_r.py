@@ -439,7 +439,7 @@ def on_rank_long_lived_tensors_are_views(stage):
             problems.append(f"step {step}: checkpoints not all in one arena of {CONFIG.n_layer} slots")
         loss.backward()
         opt.clip_grad_norm_(1.0)
-        grad_storages |= {opt._grads().untyped_storage()._cdata}  # what the step reads
+        grad_storages |= {opt.gradients.own(slice(0, opt.own_numel)).untyped_storage()._cdata}  # what step() reads
         opt.step()
         opt.zero_grad()
     if grad_storages != {opt.gradients.reduced.untyped_storage()._cdata}:

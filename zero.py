@@ -477,6 +477,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.group_members = [list(g["params"]) for g in groups]  # the user's groups, for checkpoints
         self.names = {p: n for n, p in module.named_parameters()}  # a tied weight: its first name
         self.weights = weights
+        # step() updates the pieces a window at a time, consecutive pieces spanning at most a bucket
+        # (C_B) of the own space (or one larger piece): the gradient in the optimizer's dtype and the
+        # optimizer's own temporaries (foreach AdamW's denominators) exist for one window, not for
+        # the whole shard (4Ψ/Nd bytes each in 16-bit training), as DeepSpeed's sub_group_size.
+        window, self.windows = max(b.chunk for b in partition.buckets) * partition.nd, []
+        for piece, w in zip(self.pieces, weights):
+            if not self.windows or piece.own.stop - self.windows[-1][0][0].own.start > window:
+                self.windows.append([])
+            self.windows[-1].append((piece, w))
         if loss_scale is None and precision.param_dtype == torch.float16:
             loss_scale = DynamicLossScale()
         # a number: a static scale, never grown or backed off (a step that overflows is still skipped)
@@ -511,10 +520,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         finally:
             self.gradients.scaled_backward = False
 
-    def _grads(self):
-        """This rank's averaged gradient in its own space, unscaled, in the optimizer's dtype;
-        and whether any rank's overflowed. Computed once per step."""
-        if self.grads is None:
+    def _reduce(self):
+        """The step's gradients reduced, and whether any rank's overflowed. Once per step."""
+        if not self.grads_ready:
             if self.gradients.stepped:
                 raise RuntimeError("step() has used this step's gradients and freed them: call optimizer.zero_grad() "
                                    "and run the next backward before clip_grad_norm_() or step()")
@@ -523,17 +531,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"{unfrozen[:3]} had requires_grad=False at zero.initialize, which laid out "
                                    f"gradients and optimizer states for the trainable parameters only: set "
                                    f"requires_grad=True before zero.initialize (freezing later works)")
-            grads = self.gradients.own_grads().to(self.weights_dtype)
-            self.overflow = False
+            self.gradients.finish()
+            self.overflow, self.grads_ready = False, True
             if self.scaler:  # (reading the flag waits for the device: only with loss scaling)
-                found_inf = (~grads.isfinite()).any().float()
+                # over the whole buffer holding the reduced chunks: at stage 1 it is the full gradient,
+                # and a gradient that is not finite anywhere makes the sum its owner holds not finite
+                found_inf = (~self.gradients.reduced.isfinite()).any().float()
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.partition.group)  # any rank's
                 if self.tp_group:  # and any tp slice's: every tp rank skips the same steps
                     dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.tp_group)
-                grads.div_(self.loss_scale)
                 self.overflow = bool(found_inf)
-            self.grads = grads
-        return self.grads
+
+    def _grad(self, own):
+        """This rank's averaged gradient over slice `own` of its own space, in the optimizer's
+        dtype, unscaled and clipped: a view of the reduced gradient where nothing changes it."""
+        grad = self.gradients.own(own).to(self.weights_dtype)
+        if self.scaler:
+            grad = grad / self.loss_scale
+        for coef in self.clip_coefs:  # (one per clip_grad_norm_ this step)
+            grad = grad * coef
+        return grad
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
         """torch.nn.utils.clip_grad_norm_, bit for bit: the norm of the per-parameter norms, then
@@ -542,24 +559,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         "norm rank" (chosen to balance the bytes): each rank sends about Ψ/Nd elements a step, in
         rounds of at most a bucket. With a tp_group, the norm is the whole model's (Megatron's rule):
         the split parameters' norms from every tp rank, the replicated ones once. Returns the total norm."""
-        grads, used = self._grads(), self.gradients.used_anywhere
-        norms = torch.zeros(self.n_trainable, dtype=grads.dtype, device=grads.device)
+        self._reduce()
+        used = self.gradients.used_anywhere
+        like = torch.empty(0, dtype=self.weights_dtype, device=self.partition.device)
+        norms = like.new_zeros(self.n_trainable)
         if self.own_numel == self.partition.padded_numel:  # every gradient is whole here (stage 0, Nd 1)
             for i in range(self.n_trainable):
                 a = self.partition.offsets[i]
-                norms[i] = torch.linalg.vector_norm(grads[a:a + self.partition.params[i].numel()], norm_type)
+                norms[i] = torch.linalg.vector_norm(self._grad(slice(a, a + self.partition.params[i].numel())),
+                                                    norm_type)
         else:
             wholes = {}  # parameter index -> [its whole gradient, elements filled], round by round
             for rnd in self._norm_plan():
-                self._norms_of_round(*rnd, grads, norms, wholes, norm_type)
+                self._norms_of_round(*rnd, like, norms, wholes, norm_type)
             dist.all_reduce(norms, group=self.partition.group)  # (n_trainable,): each found on one rank
         with_grad = [i for i in range(self.n_trainable) if used[i]]
         norms = [norms[i] for i in with_grad]
         if self.tp_group:
             total = self._tp_norm(norms, [self.partition.params[i] for i in with_grad], norm_type)
         else:
-            total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else grads.new_zeros(())
-        grads.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+            total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else like.new_zeros(())
+        self.clip_coefs.append(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # step() multiplies by it
         return total
 
     def _tp_norm(self, norms, params, norm_type):
@@ -567,7 +587,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         count on every tp rank, replicated ones on tp rank 0 only; one all-reduce of a scalar."""
         first = dist.get_rank(self.tp_group) == 0
         mine = [n for n, p in zip(norms, params) if getattr(p, "tensor_model_parallel", False) or first]
-        mine = torch.stack(mine) if mine else self.grads.new_zeros(1)
+        mine = torch.stack(mine) if mine else torch.zeros(1, dtype=self.weights_dtype, device=self.partition.device)
         if norm_type == math.inf:
             part = mine.max()
             dist.all_reduce(part, op=dist.ReduceOp.MAX, group=self.tp_group)
@@ -644,28 +664,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.norm_plan.append((slices, send_splits, pieces, receive_splits, moves))
         return self.norm_plan
 
-    def _norms_of_round(self, slices, send_splits, pieces, receive_splits, moves, grads, norms, wholes, norm_type):
+    def _norms_of_round(self, slices, send_splits, pieces, receive_splits, moves, like, norms, wholes, norm_type):
         part = self.partition
-        send = torch.cat([grads[s] for s in slices]) if slices else grads.new_empty(0)
+        send = torch.cat([self._grad(s) for s in slices]) if slices else like
         if moves:
             # all-to-all: each gradient's pieces to its norm rank -> (Σ receive_splits,) here, by source rank
-            received = grads.new_empty(sum(receive_splits))
+            received = like.new_empty(sum(receive_splits))
             dist.all_to_all_single(received, send, receive_splits, send_splits, group=part.group)
         else:  # every piece is on its norm rank already
             received = send
         x = 0
         for i, at, n in pieces:
-            whole = wholes.setdefault(i, [grads.new_empty(part.params[i].numel()), 0])
-            whole[0][at:at + n] = received[x:x + n]
-            whole[1], x = whole[1] + n, x + n
-            if whole[1] == whole[0].numel():  # all of it is here
+            if i not in wholes:  # (not setdefault, which would make a whole gradient for every piece)
+                wholes[i] = [like.new_empty(part.params[i].numel()), 0]
+            wholes[i][0][at:at + n] = received[x:x + n]
+            wholes[i][1], x = wholes[i][1] + n, x + n
+            if wholes[i][1] == part.params[i].numel():  # all of it is here; freed once its norm is taken
                 norms[i] = torch.linalg.vector_norm(wholes.pop(i)[0], norm_type)
 
     def step(self):
         """Update this rank's part and make the parameters whole again. Returns False when fp16
         loss scaling found an overflow and skipped the step on every rank."""
         self.parameters.wait()  # stages 1-2: last step's all-gather, if no forward waited for it
-        grads = self._grads()
+        self._reduce()
         self.gradients.stepped = True  # this step's gradients are used: the next backward needs zero_grad()
         if self.scaler:
             self._update_loss_scale()
@@ -673,9 +694,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._free_grads()
                 return False
         used = self.gradients.used_anywhere
-        for piece, w in zip(self.pieces, self.weights):
-            w.grad = grads[piece.own] if used[piece.index] else None
-        self.optim.step()
+        for window in self.windows:  # each piece steps once, on its own state: the bits of one whole step
+            lo, hi = window[0][0].own.start, window[-1][0].own.stop
+            grads = self._grad(slice(lo, hi))
+            for piece, w in window:
+                w.grad = grads[piece.own.start - lo:piece.own.stop - lo] if used[piece.index] else None
+            self.optim.step()  # (skips the pieces with no gradient: those of other windows)
+            for piece, w in window:
+                w.grad = None
         self._free_grads()
         if self.master is not None:  # fp32 master -> the 16-bit parameters
             self.parameters.copy_owned(self.owned, self.master)
@@ -683,12 +709,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return True
 
     def _free_grads(self):
-        """The gradient in the optimizer's dtype is a copy where it had to be converted (16-bit
-        training) or gathered out of the full gradient (stage 1): (4Ψ/Nd) bytes, freed once
-        the step has used it, so what stays between steps is Section 5's model states."""
+        """The step's gradients are used (or dropped): the next step reduces and clips anew."""
         for w in self.weights:
             w.grad = None
-        self.grads = None
+        self.grads_ready, self.clip_coefs = False, []
 
     def _update_loss_scale(self):
         s = self.scaler
@@ -723,7 +747,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         that hold them (one freed by stage 3 counts 0)."""
         tensors = [p.grad for p in self.partition.params if p.grad is not None]
         tensors += self.parameters.storages() + self.gradients.storages()  # the parameters are views of these
-        tensors += [t for t in (self.master, self.grads) if t is not None]
+        tensors += [self.master] if self.master is not None else []
         tensors += [v for state in self.optim.state.values() for v in state.values() if torch.is_tensor(v)]
         storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                     for t in tensors if t.untyped_storage().nbytes() > 0}
@@ -931,19 +955,30 @@ class GradientBuckets:
         self.micro_batches += 1
         self._new_backward()
 
-    def own_grads(self):
-        """The reduced gradient in this rank's own space, at step time (no backward: zeros reduced)."""
+    def finish(self):
+        """At step time: the step's gradients reduced (no backward: zeros reduced); at stage 0
+        all-gathered too, since all-reduce = reduce-scatter + all-gather: each rank sends its
+        reduced chunks (Ψ/Nd)."""
         if self.micro_batches == 0:
             self._finish_backward()
-        part = self.partition
         if self.replicate:
-            # all-reduce = reduce-scatter + all-gather: each rank sends its reduced chunks (Ψ/Nd)
             for k in self.order:
-                part.all_gather(self.reduced[part.flat_range(k)], self.reduced_chunks[k], async_op=False)
-            return self.reduced
-        if self.reduced is self.full:  # stage 1: the chunks, out of the full gradient
-            return torch.cat(self.reduced_chunks)
-        return self.reduced
+                self.partition.all_gather(self.reduced[self.partition.flat_range(k)], self.reduced_chunks[k],
+                                          async_op=False)
+
+    def own(self, s):
+        """The reduced gradient over slice s of this rank's own space: a view of `reduced`, but at
+        stage 1, whose reduced chunks lie in the full gradient each at its bucket's place, a copy of
+        the chunks s covers."""
+        if self.reduced is not self.full or self.replicate:  # own space laid out in `reduced`
+            return self.reduced[s]
+        part, parts = self.partition, []
+        k = bisect.bisect_right(part.buckets, s.start, key=lambda b: b.own) - 1
+        while k < len(part.buckets) and part.buckets[k].own < s.stop:
+            o = part.own(k)
+            parts.append(self.reduced_chunks[k][max(s.start, o.start) - o.start:min(s.stop, o.stop) - o.start])
+            k += 1
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _call_weakly(method, *args):
