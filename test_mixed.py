@@ -327,37 +327,35 @@ def test_the_step_frees_its_gradient_copy(world, stage, dtype):
 
 
 def on_rank_step_temporaries(stage, dtype, bucket_numel):
-    """The bytes of every storage made since the second backward that is alive after each of the
-    optimizer's updates in the second step (optimizer.optim's step post-hook: the window's
-    gradients are still set), and the largest parameter's elements."""
+    """The most bytes clip_grad_norm_, then step(), hold at once in tensors they make (memory_table's
+    PeakNewBytes), in the second step; SGD with momentum, which makes none of its own."""
+    from memory_table import PeakNewBytes
     torch.manual_seed(0)
-    net = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(8)])  # Ψ = 8 x 1056
-    x = torch.randn(16, 32, dtype=dtype)
-    model, opt = zero.initialize(net, torch.optim.AdamW, stage=stage, bucket_numel=bucket_numel, lr=1e-3,
-                                 param_dtype=dtype)
-    alive = []
+    net = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(16)])  # Ψ = 16 x 272
+    x = torch.randn(8, 16, dtype=dtype)
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, bucket_numel=bucket_numel, lr=1e-2,
+                                 momentum=0.9, param_dtype=dtype)
     for step in range(2):
         opt.backward(model(x).float().square().mean())
-        if step == 1:
-            dist.barrier()  # every collective's buffers let go
-            before = zero.live_storages()
-            opt.optim.register_step_post_hook(lambda *args: alive.append(sum(
-                s.nbytes() for k, s in zero.live_storages().items() if k not in before)))
-        opt.clip_grad_norm_(1.0)
-        opt.step()
+        with PeakNewBytes() as clip:
+            opt.clip_grad_norm_(1.0)
+        with PeakNewBytes() as update:
+            opt.step()
         opt.zero_grad()
-    return alive, max(p.numel() for p in net.parameters())
+    return clip.peak, update.peak
 
 
 @pytest.mark.xdist_group("world2")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_step_converts_one_bucket_of_gradient_at_a_time(world, stage, dtype):
-    """C_B for the step (Section 6.2): the optimizer runs over windows of at most a bucket (or one
-    larger parameter's piece), so the gradient in its dtype never exists for the whole shard at
-    once. Here Ψ = 8448 over 2 ranks, buckets of 256 elements: a rank's shard in fp32 is 16.9 KB
-    (stage 0: the whole 33.8 KB), one window at most 4 x 1024 B, the largest parameter's."""
-    bucket_numel = 256
-    for alive, largest in world(2).run(on_rank_step_temporaries, stage, dtype, bucket_numel):
-        print(f"stage {stage} {dtype}: {len(alive)} windows, bytes made by the step alive after each: {alive}")
-        assert len(alive) > 1 and max(alive) <= 4 * max(bucket_numel, largest) + 4, alive  # + clip's coefficient
+    """C_B for the step (Section 6.2): the gradient in the optimizer's dtype (converted, unscaled,
+    clipped) never exists for the whole shard at once. Ψ = 4352 over 2 ranks in buckets of 512
+    elements. step() runs the optimizer a window at a time and holds at most one bucket in fp32
+    (2 KB). clip_grad_norm_ holds less than the shard in fp32 (8.7 KB; stage 0 owns everything:
+    17.4 KB): its whole gradients of a bucket's worth of parameters and its round buffers."""
+    bucket_numel, psi = 512, 16 * 272
+    shard = psi if stage == 0 else psi / 2
+    for clip, update in world(2).run(on_rank_step_temporaries, stage, dtype, bucket_numel):
+        print(f"stage {stage} {dtype}: temporaries held at most by clip_grad_norm_ {clip} B, by step() {update} B")
+        assert clip < 4 * shard and update <= 4 * bucket_numel, (clip, update)

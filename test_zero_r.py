@@ -439,7 +439,8 @@ def on_rank_long_lived_tensors_are_views(stage):
             problems.append(f"step {step}: checkpoints not all in one arena of {CONFIG.n_layer} slots")
         loss.backward()
         opt.clip_grad_norm_(1.0)
-        grad_storages |= {opt.gradients.own(slice(0, opt.own_numel)).untyped_storage()._cdata}  # what step() reads
+        read = opt.gradients.own(slice(0, opt.own_numel), torch.float32)  # where step() reads the gradient
+        grad_storages |= {read.untyped_storage()._cdata}
         opt.step()
         opt.zero_grad()
     if grad_storages != {opt.gradients.reduced.untyped_storage()._cdata}:

@@ -544,12 +544,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _grad(self, own):
         """This rank's averaged gradient over slice `own` of its own space, in the optimizer's
-        dtype, unscaled and clipped: a view of the reduced gradient where nothing changes it."""
-        grad = self.gradients.own(own).to(self.weights_dtype)
+        dtype, unscaled and clipped: a view of the reduced gradient where nothing changes it, else
+        one copy of the slice."""
+        grad = self.gradients.own(own, self.weights_dtype)
+        if (self.scaler or self.clip_coefs) and grad._is_view():  # the reduced gradient is read again
+            grad = grad.clone()
         if self.scaler:
-            grad = grad / self.loss_scale
+            grad.div_(self.loss_scale)
         for coef in self.clip_coefs:  # (one per clip_grad_norm_ this step)
-            grad = grad * coef
+            grad.mul_(coef)
         return grad
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
@@ -702,6 +705,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.optim.step()  # (skips the pieces with no gradient: those of other windows)
             for piece, w in window:
                 w.grad = None
+            del grads  # freed before the next window's is made
         self._free_grads()
         if self.master is not None:  # fp32 master -> the 16-bit parameters
             self.parameters.copy_owned(self.owned, self.master)
@@ -961,24 +965,25 @@ class GradientBuckets:
         reduced chunks (Ψ/Nd)."""
         if self.micro_batches == 0:
             self._finish_backward()
-        if self.replicate:
-            for k in self.order:
-                self.partition.all_gather(self.reduced[self.partition.flat_range(k)], self.reduced_chunks[k],
-                                          async_op=False)
+        part = self.partition
+        for k in self.order if self.replicate else ():
+            part.all_gather(self.reduced[part.flat_range(k)], self.reduced_chunks[k], async_op=False)
 
-    def own(self, s):
-        """The reduced gradient over slice s of this rank's own space: a view of `reduced`, but at
-        stage 1, whose reduced chunks lie in the full gradient each at its bucket's place, a copy of
-        the chunks s covers."""
+    def own(self, s, dtype):
+        """The reduced gradient over slice s of this rank's own space, in `dtype`: a view of
+        `reduced` where it lies there in that dtype, else a copy (at stage 1 the reduced chunks lie
+        in the full gradient, each at its bucket's place)."""
         if self.reduced is not self.full or self.replicate:  # own space laid out in `reduced`
-            return self.reduced[s]
-        part, parts = self.partition, []
+            return self.reduced[s].to(dtype)
+        part = self.partition
+        out = torch.empty(s.stop - s.start, dtype=dtype, device=self.reduced.device)
         k = bisect.bisect_right(part.buckets, s.start, key=lambda b: b.own) - 1
         while k < len(part.buckets) and part.buckets[k].own < s.stop:
             o = part.own(k)
-            parts.append(self.reduced_chunks[k][max(s.start, o.start) - o.start:min(s.stop, o.stop) - o.start])
+            lo, hi = max(s.start, o.start), min(s.stop, o.stop)
+            out[lo - s.start:hi - s.start] = self.reduced_chunks[k][lo - o.start:hi - o.start]
             k += 1
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out
 
 
 def _call_weakly(method, *args):
