@@ -352,10 +352,13 @@ def test_the_step_converts_one_bucket_of_gradient_at_a_time(world, stage, dtype)
     """C_B for the step (Section 6.2): the gradient in the optimizer's dtype (converted, unscaled,
     clipped) never exists for the whole shard at once. Ψ = 4352 over 2 ranks in buckets of 512
     elements. step() runs the optimizer a window at a time and holds at most one bucket in fp32
-    (2 KB). clip_grad_norm_ holds less than the shard in fp32 (8.7 KB; stage 0 owns everything:
+    (2 KB), none where the reduced shard is fp32 already (stage 1 keeps its chunks in the full
+    gradient, out of own-space order). clip_grad_norm_ holds less than the shard in fp32 (8.7 KB; stage 0 owns everything:
     17.4 KB): its whole gradients of a bucket's worth of parameters and its round buffers."""
     bucket_numel, psi = 512, 16 * 272
     shard = psi if stage == 0 else psi / 2
     for clip, update in world(2).run(on_rank_step_temporaries, stage, dtype, bucket_numel):
         print(f"stage {stage} {dtype}: temporaries held at most by clip_grad_norm_ {clip} B, by step() {update} B")
         assert clip < 4 * shard and update <= 4 * bucket_numel, (clip, update)
+        if dtype == torch.float32 and stage != 1:  # the reduced shard is unscaled and clipped in place
+            assert update == 0, update

@@ -542,12 +542,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.tp_group)
                 self.overflow = bool(found_inf)
 
-    def _grad(self, own):
+    def _grad(self, own, last=False):
         """This rank's averaged gradient over slice `own` of its own space, in the optimizer's
-        dtype, unscaled and clipped: a view of the reduced gradient where nothing changes it, else
-        one copy of the slice."""
+        dtype, unscaled and clipped: a view of the reduced gradient where nothing changes it or
+        where this is its last read (the step's), else one copy of the slice."""
         grad = self.gradients.own(own, self.weights_dtype)
-        if (self.scaler or self.clip_coefs) and grad._is_view():  # the reduced gradient is read again
+        if (self.scaler or self.clip_coefs) and grad._is_view() and not last:  # clipping reads it again
             grad = grad.clone()
         if self.scaler:
             grad.div_(self.loss_scale)
@@ -699,7 +699,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         used = self.gradients.used_anywhere
         for window in self.windows:  # each piece steps once, on its own state: the bits of one whole step
             lo, hi = window[0][0].own.start, window[-1][0].own.stop
-            grads = self._grad(slice(lo, hi))
+            grads = self._grad(slice(lo, hi), last=True)
             for piece, w in window:
                 w.grad = grads[piece.own.start - lo:piece.own.stop - lo] if used[piece.index] else None
             self.optim.step()  # (skips the pieces with no gradient: those of other windows)
