@@ -350,7 +350,7 @@ def on_rank_save(path, stage):
 
 def damage(path, how):
     path = pathlib.Path(path)
-    target = path / "rank1.weights.pt"
+    target = path / "rank1.weights.bin"
     if how == "truncated":
         target.write_bytes(target.read_bytes()[:-100])
     elif how == "flipped byte":
@@ -487,35 +487,66 @@ def test_save_and_load_between_micro_batches_name_the_fix(world, tmp_path):
     assert world(2).run(on_rank_pending_gradients, str(tmp_path / "ckpt")) == [[], []]
 
 
+def on_rank_format_2_still_loads(path):
+    """A checkpoint in format 2, whose shard files were torch.save'd tensors, made here from a
+    format-3 one (raw elements): it loads, and the full state is the saved one, bit for bit."""
+    model, opt = make(1)
+    train(model, opt, 0, 1)
+    zero.save_checkpoint(path, model, opt)
+    want = full_state(model)
+    directory = pathlib.Path(path)
+    if dist.get_rank() == 0:
+        manifest = json.loads((directory / "manifest.json").read_text())
+        for name in [n for n in manifest["files"] if n.endswith(".bin")]:
+            raw = (directory / name).read_bytes()
+            old = name.removesuffix(".bin") + ".pt"
+            torch.save(torch.frombuffer(bytearray(raw), dtype=getattr(torch, manifest["dtype"])), directory / old)
+            (directory / name).unlink()
+            del manifest["files"][name]
+            manifest["files"][old] = [os.path.getsize(directory / old),
+                                      hashlib.sha256((directory / old).read_bytes()).hexdigest()]
+        manifest["format"] = 2
+        (directory / "manifest.json").write_text(json.dumps(manifest))
+    dist.barrier()
+    train(model, opt, 1, 2)  # away from the saved state
+    zero.load_checkpoint(path, model, opt)
+    return differences(want, full_state(model)), sorted(os.listdir(directory))
+
+
+@pytest.mark.xdist_group("world2")
+def test_a_format_2_checkpoint_still_loads(world, tmp_path):
+    for differing, files in world(2).run(on_rank_format_2_still_loads, str(tmp_path / "ckpt")):
+        assert differing == [] and "rank1.weights.pt" in files, (differing, files)
+
+
 def on_rank_crash_while_saving(path, new_path):
     model, opt = make(2)
     train(model, opt, 0, 1)
     zero.save_checkpoint(path, model, opt)
     want = full_state(model)
     train(model, opt, 1, 2)
-    real_save, calls = torch.save, []
+    real_raw, calls = zero._raw, []
 
-    def failing_save(obj, f, **kwargs):  # rank 1's writer fails at its second file
-        if isinstance(f, (str, os.PathLike)):  # a file (pickling a tensor torch.saves it to memory)
-            calls.append(f)
-        return real_save(obj, f, **kwargs) if len(calls) < 2 else 1 / 0
+    def failing_raw(t):  # rank 1's writer fails at its third chunk, in the middle of a shard file
+        calls.append(t.numel())
+        return real_raw(t) if len(calls) < 3 else 1 / 0
 
     if dist.get_rank() == 1:
-        torch.save = failing_save
+        zero._raw = failing_raw
     try:
         zero.save_checkpoint(new_path, model, opt)
         crashed = "no error"
     except RuntimeError as e:
         crashed = str(e)
     finally:
-        torch.save = real_save
+        zero._raw = real_raw
     try:
         zero.load_checkpoint(new_path, model, opt)
         refused = "loaded"
     except zero.CheckpointError as e:
         refused = str(e)
     if dist.get_rank() == 0:  # and a file an earlier save at more ranks left there
-        (pathlib.Path(new_path + ".partial") / "rank2.weights.pt").write_bytes(b"stale")
+        (pathlib.Path(new_path + ".partial") / "rank2.weights.bin").write_bytes(b"stale")
     dist.barrier()
     zero.save_checkpoint(new_path, model, opt)  # saved again: the directory holds this save's files only
     manifest = json.loads((pathlib.Path(new_path) / "manifest.json").read_text())
@@ -535,8 +566,8 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_loadable(world, tmp
 
 
 def on_rank_memory_while_saving_and_loading(path):
-    """Live bytes sampled at every file written and every state read, beyond what was alive
-    before the model was built; against the rank's model states and one shard."""
+    """Live bytes sampled at every chunk written and every range read, beyond what was alive
+    before the model was built; the rank's model states, the largest bucket chunk and its shard."""
     before = zero.live_storages()
 
     def new_bytes():  # memory-mapped checkpoint files are the page cache's, not this process's memory
@@ -545,40 +576,43 @@ def on_rank_memory_while_saving_and_loading(path):
         return sum(s.nbytes() for k, s in zero.live_storages().items()
                    if k not in before and not any(lo <= s.data_ptr() < hi for lo, hi in mapped))
 
-    model, opt = make(3, 300)
+    model, opt = make(3, 4096)
     train(model, opt, 0, 1)
     held, samples = new_bytes(), []
-    real_save, real_read = torch.save, zero._read_own
+    real_raw, real_read = zero._raw, zero.CheckpointReader.read
 
-    def sampled_save(obj, f, **kwargs):
-        samples.append(new_bytes())  # with the tensor about to be written
-        return real_save(obj, f, **kwargs)
+    def sampled_raw(t):
+        samples.append(new_bytes())  # with the chunk about to be written
+        return real_raw(t)
 
-    torch.save = sampled_save
+    zero._raw = sampled_raw
     try:
         zero.save_checkpoint(path, model, opt)
     finally:
-        torch.save = real_save
+        zero._raw = real_raw
     save_peak = max(samples)
     samples.clear()
 
-    def sampled_read(*args):
-        own = real_read(*args)
-        samples.append(new_bytes())  # with the own-space tensor just read
-        return own
+    def sampled_read(self, *args):
+        real_read(self, *args)
+        samples.append(new_bytes())  # with the range just read
 
-    zero._read_own = sampled_read
+    zero.CheckpointReader.read = sampled_read
     try:
         zero.load_checkpoint(path, model, opt)
     finally:
-        zero._read_own = real_read
-    return held, save_peak, max(samples), zero.model_state_bytes(model), opt.partition.shard_numel * 4
+        zero.CheckpointReader.read = real_read
+    chunk = max(b.chunk for b in opt.partition.buckets) * 4
+    steps = 4 * len(list(model.parameters()))  # the other rank's AdamW step counters, gathered to save them
+    return held, save_peak, max(samples), zero.model_state_bytes(model), chunk + steps, opt.partition.shard_numel * 4
 
 
 @pytest.mark.xdist_group("world2")
-def test_saving_and_loading_hold_the_model_states_and_one_shard(world, tmp_path):
-    for held, save_peak, load_peak, states, shard in world(2).run(on_rank_memory_while_saving_and_loading,
-                                                                  str(tmp_path / "ckpt")):
+def test_saving_and_loading_hold_the_model_states_and_one_bucket_chunk(world, tmp_path):
+    """Saving makes each chunk of a rank's file on its own; loading reads straight into the
+    weights and into each optimizer state, the old one freed first: neither holds a shard more."""
+    for held, save_peak, load_peak, states, chunk, shard in world(2).run(on_rank_memory_while_saving_and_loading,
+                                                                         str(tmp_path / "ckpt")):
         print(f"held {held} B (model states {states} B); saving peaks at +{save_peak - held} B, loading at "
-              f"+{load_peak - held} B; one shard is {shard} B")
-        assert save_peak <= held + shard + 8192 and load_peak <= held + shard  # 8 KB: the RNG state, the scalars
+              f"+{load_peak - held} B; one bucket's chunk and the step counters are {chunk} B, one shard {shard} B")
+        assert save_peak <= held + chunk and load_peak <= held, (save_peak - held, load_peak - held)

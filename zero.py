@@ -813,12 +813,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         keys_of = {n: v for _, ks in everyone for n, v in ks.items()}
         return sorted(set().union(*keys_of.values())), scalars, keys_of
 
-    def _own_state(self, key):
-        own = torch.zeros(self.own_numel, dtype=self.weights_dtype, device=self.partition.device)
-        for piece, w in zip(self.pieces, self.weights):
-            if key in self.optim.state.get(w, {}):
-                own[piece.own] = self.optim.state[w][key]
+    def _own_state(self, key, s=None):
+        """Optimizer state `key` over slice s of the own space (default: all of it), zeros where
+        no piece has it."""
+        s = slice(0, self.own_numel) if s is None else s
+        own = torch.zeros(s.stop - s.start, dtype=self.weights_dtype, device=self.partition.device)
+        i = max(bisect.bisect_right(self.pieces, s.start, key=lambda piece: piece.own.start) - 1, 0)
+        while i < len(self.pieces) and self.pieces[i].own.start < s.stop:
+            piece, state = self.pieces[i], self.optim.state.get(self.weights[i], {})
+            lo, hi = max(s.start, piece.own.start), min(s.stop, piece.own.stop)
+            if key in state and lo < hi:
+                own[lo - s.start:hi - s.start] = state[key][lo - piece.own.start:hi - piece.own.start]
+            i += 1
         return own
+
+    def _saved_chunk(self, key, k):
+        """This rank's chunk of bucket k of the weights (the fp32 master, else the parameters) or
+        of optimizer state `key`: what a checkpoint holds of it."""
+        part = self.partition
+        own = part.chunk(k) if self.own_numel == part.padded_numel else part.own(k)  # stage 0: own = flat
+        if key != "weights":
+            return self._own_state(key, own)
+        return self.master[own] if self.master is not None else self.parameters.mine(k)
 
 
 # -----------------------------------------------------------------------------------------
@@ -1057,6 +1073,10 @@ class FlatParameters:
         for f, o in owned:
             self.flat[f].copy_(source[o])
 
+    def owned(self, f, o):
+        """The parameters over an owned range: flat slice f (own slice o)."""
+        return self.flat[f]
+
     def mine(self, k):
         return self.flat[self.partition.chunk(k)]
 
@@ -1178,6 +1198,9 @@ class ShardedParameters:
 
     def copy_owned(self, owned, source):
         self.shard.copy_(source)
+
+    def owned(self, f, o):
+        return self.shard[o]
 
     def mine(self, k):
         return self.shard[self.partition.own(k)]
@@ -1721,11 +1744,12 @@ def full_optimizer_state(module):
 # Checkpoints: each rank saves what it holds. For every bucket, rank r owns chunk r (Section
 # 5's partition); a rank's chunks end to end are its shard. Each rank writes its shard of the
 # weights (the fp32 master where there is one, else the parameters) and of each elementwise
-# optimizer state, one file each; manifest.json holds the layout and every file's sha256.
+# optimizer state, one file each of raw elements, a chunk at a time; manifest.json holds the
+# layout and every file's sha256.
 # Element x of the flat space lies in bucket k's chunk (x - start_k) // chunk_k, at
 # own_k + (x - start_k) % chunk_k of that rank's shard: so a checkpoint loads at any Nd, stage
 # or bucket size, each rank reading (memory-mapped) only the ranges it now owns.
-FORMAT = 2
+FORMAT = 3  # (format 2, whose shard files were torch.save'd tensors, still loads)
 
 
 class CheckpointError(ValueError):
@@ -1737,7 +1761,7 @@ def save_checkpoint(path, model, optimizer, **extra):
     path.partial and are renamed to `path` only once every rank's are complete and the manifest
     is written: a crash mid-save leaves no directory that looks like a checkpoint. extra: this
     rank's own values (e.g. the step, its data generator's state), given back by load_checkpoint.
-    Holds the rank's own state plus one own-space tensor at a time (stage 0: the flat space)."""
+    Holds the rank's own state plus one bucket's chunk at a time."""
     opt, path = _engine(model), pathlib.Path(path)
     part, group = opt.partition, opt.partition.group
     partial = path.with_name(path.name + ".partial")
@@ -1754,16 +1778,12 @@ def save_checkpoint(path, model, optimizer, **extra):
     files, (keys, scalars, keys_of), error = {}, opt._all_states(), None
     buckets = range(len(part.buckets))
     try:
-        for key in ["weights"] + keys:  # (shard_numel,): bucket k's chunk at own_k; one at a time
-            own = opt.master if key == "weights" else opt._own_state(key)
-            if own is None:  # no master: the parameters, in the flat space or (stage 3) the shard
-                shard = torch.cat([opt.parameters.mine(k) for k in buckets])
-            elif own.numel() == part.shard_numel:  # stages 1-3: the own space is the shard
-                shard = own
-            else:  # stage 0's own space is the flat space
-                shard = torch.cat([own[part.chunk(k)] for k in buckets])
-            files[f"rank{part.rank}.{key}.pt"] = shard
-            _write(partial, files, f"rank{part.rank}.{key}.pt")
+        for key in ["weights"] + keys:  # (shard_numel,): bucket k's chunk at own_k
+            name = f"rank{part.rank}.{key}.bin"
+            with open(partial / name, "wb") as f:
+                for k in buckets:
+                    _raw(opt._saved_chunk(key, k)).tofile(f)
+            _seal(partial, files, name)
         for key, value in extra.items():  # load_checkpoint reads with weights_only=True
             _loadable(value, f"extra {key}={type(value).__name__}")
         buffers = _persistent_buffers(model)
@@ -1831,9 +1851,19 @@ def _loadable(value, what):
                         f"True)): save plain values, e.g. vars(args) for an argparse.Namespace") from e
 
 
+def _raw(t):
+    """t's elements as bytes in CPU memory (a view where t is there already)."""
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy()
+
+
 def _write(directory, files, name):
     """torch.save files[name] into directory; files[name] becomes [its bytes, its sha256]."""
     torch.save(files[name], directory / name)
+    _seal(directory, files, name)
+
+
+def _seal(directory, files, name):
+    """files[name] = [bytes, sha256] of the file just written into directory, synced to disk."""
     with open(directory / name, "rb") as f:
         os.fsync(f.fileno())
         files[name] = [os.path.getsize(directory / name), hashlib.file_digest(f, "sha256").hexdigest()]
@@ -1882,17 +1912,17 @@ def _mismatch(opt, model, manifest):
     return problems
 
 
-def _read_own(opt, reader, key):
-    """This rank's own space of `key` ("weights" or an optimizer state) from a checkpoint."""
+def _read_own(opt, reader, key, into):
+    """Read `key` ("weights" or an optimizer state) from a checkpoint into this rank's owned
+    ranges, straight into into(f, o): the tensor over owned range (flat slice f, own slice o)."""
     part, names = opt.partition, opt.names
-    own = torch.zeros(opt.own_numel, dtype=opt.weights_dtype, device=part.device)
     for (f, o), b in zip(opt.owned, part.buckets):
+        dest = into(f, o)
         for i, lo, hi in b.segments:
             lo, hi = max(lo, f.start), min(hi, f.stop)
             if lo < hi:
                 at = reader.params[names[part.params[i]]]["offset"] + lo - part.offsets[i]
-                reader.read(key, at, hi - lo, own[o.start + lo - f.start:o.start + hi - f.start])
-    return own
+                reader.read(key, at, hi - lo, dest[lo - f.start:hi - f.start])
 
 
 def load_checkpoint(path, model, optimizer):
@@ -1923,15 +1953,17 @@ def load_checkpoint(path, model, optimizer):
     if problems:
         raise CheckpointError(f"cannot load {path}: " + "; ".join(problems))
     opt.parameters.wait()
-    weights = _read_own(opt, reader, "weights")
-    if opt.master is not None:
-        opt.master.copy_(weights)
-    opt.parameters.copy_owned(opt.owned, weights)
+    if opt.master is not None:  # the master, then the 16-bit parameters from it
+        _read_own(opt, reader, "weights", lambda f, o: opt.master[o])
+        opt.parameters.copy_owned(opt.owned, opt.master)
+    else:
+        _read_own(opt, reader, "weights", opt.parameters.owned)
     opt.parameters.after_step(frozen_too=True)
     opt.parameters.wait()
     opt.optim.state.clear()
     for key in manifest["state_keys"]:  # each state one own-space tensor; the pieces' states are views of it
-        own = _read_own(opt, reader, key)
+        own = torch.zeros(opt.own_numel, dtype=opt.weights_dtype, device=part.device)
+        _read_own(opt, reader, key, lambda f, o: own[o])
         for piece, w in zip(opt.pieces, opt.weights):
             if key in _keys_of(manifest, scalars, opt.names[part.params[piece.index]]):  # the parameters that had it
                 opt.optim.state[w][key] = own[piece.own]
@@ -2026,11 +2058,18 @@ class CheckpointReader:
 
     def __init__(self, path, manifest):
         self.path, self.manifest, self.files = path, manifest, {}
+        self.shard_file = "rank{}.{}.pt" if manifest["format"] == 2 else "rank{}.{}.bin"
         self.starts = [b[0] for b in manifest["buckets"]]
         self.params = {p["name"]: p for p in manifest["params"]}
 
     def _file(self, name):
-        if name not in self.files:
+        if name in self.files:
+            return self.files[name]
+        if name.endswith(".bin"):  # raw elements in the checkpoint's dtype, mapped, not read
+            dtype = getattr(torch, self.manifest["dtype"])
+            size = (self.path / name).stat().st_size // dtype.itemsize
+            self.files[name] = torch.from_file(str(self.path / name), shared=False, size=size, dtype=dtype)
+        else:
             self.files[name] = torch.load(self.path / name, mmap=True, weights_only=True)
         return self.files[name]
 
@@ -2042,7 +2081,7 @@ class CheckpointReader:
             start, numel, chunk, own = self.manifest["buckets"][k]
             rank, at = divmod(x + done - start, chunk)
             m = min(n - done, chunk - at, start + numel - (x + done))
-            out[done:done + m] = self._file(f"rank{rank}.{key}.pt")[own + at:own + at + m]
+            out[done:done + m] = self._file(self.shard_file.format(rank, key))[own + at:own + at + m]
             done += m
 
     def param(self, name, key):
@@ -2069,8 +2108,8 @@ def _read_manifest(path):
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}/manifest.json cannot be read ({e}): the checkpoint is damaged; load an "
                               f"earlier one") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has format {manifest.get('format')}; this zero.py reads format {FORMAT}")
+    if manifest.get("format") not in (2, FORMAT):
+        raise CheckpointError(f"{path} has format {manifest.get('format')}; this zero.py reads formats 2 and {FORMAT}")
     return manifest
 
 
