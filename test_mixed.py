@@ -353,8 +353,9 @@ def test_the_step_converts_one_bucket_of_gradient_at_a_time(world, stage, dtype)
     clipped) never exists for the whole shard at once. Ψ = 4352 over 2 ranks in buckets of 512
     elements. step() runs the optimizer a window at a time and holds at most one bucket in fp32
     (2 KB), none where the reduced shard is fp32 already (stage 1 keeps its chunks in the full
-    gradient, out of own-space order). clip_grad_norm_ holds less than the shard in fp32 (8.7 KB; stage 0 owns everything:
-    17.4 KB): its whole gradients of a bucket's worth of parameters and its round buffers."""
+    gradient, out of own-space order). clip_grad_norm_ holds less than the shard in fp32 (8.7 KB;
+    stage 0 owns everything: 17.4 KB): whole gradients of a bucket's worth of parameters and its
+    round buffers."""
     bucket_numel, psi = 512, 16 * 272
     shard = psi if stage == 0 else psi / 2
     for clip, update in world(2).run(on_rank_step_temporaries, stage, dtype, bucket_numel):
