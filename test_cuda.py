@@ -3,6 +3,7 @@ a machine without GPUs (CI has none).
 
     python -m pytest test_cuda.py          # on a machine with one or more GPUs
 """
+import copy
 import json
 import os
 import subprocess
@@ -104,3 +105,31 @@ def test_checkpointing_recomputes_dropout_with_the_gpus_random_state(mode):
         x.pow(2).sum().backward()
         return [p.grad for p in blocks.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(grads(True), grads(False)))
+
+
+def on_rank_clip_norm(stage, device_type="cuda"):
+    """zero's clip_grad_norm_ and torch.nn.utils.clip_grad_norm_ on the same gradient: every rank
+    takes the same batch, so the rank average is the gradient itself (exact when Nd is a power of
+    2); the first layer's weight (524,288 elements) spans many chunks of CUDA's foreach kernels."""
+    device = torch.device(device_type, torch.cuda.current_device() if device_type == "cuda" else 0)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 7)).to(device)
+    plain = copy.deepcopy(net)
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1, bucket_numel=2**16)
+    x = torch.randn(32, 512, generator=torch.Generator().manual_seed(1)).to(device)
+    model(x).square().mean().backward()
+    got = opt.clip_grad_norm_(1.0)
+    plain(x).square().mean().backward()
+    want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+    return bool(torch.equal(got, want)), got.item(), want.item()
+
+
+@pytest.mark.skipif(NGPU & (NGPU - 1) != 0, reason="needs a power-of-2 number of GPUs: the mean of Nd equal "
+                                                   "gradients is then exactly the gradient")
+@pytest.mark.parametrize("stage", [0, 3])
+def test_clip_norm_on_cuda_is_torchs(stage):
+    """clip_grad_norm_'s bits on CUDA: each gradient's norm by the kernel torch's clip takes it with
+    there (torch._foreach_norm), whole on one rank."""
+    for equal, got, want in run_on_ranks(NGPU, on_rank_clip_norm, stage, backend="nccl"):
+        print(f"stage {stage}: zero {got!r}, torch {want!r}")
+        assert equal, (got, want)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.autograd import Variable
+from torch.utils._foreach_utils import _has_foreach_support
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -422,6 +423,16 @@ class Piece:
     own: slice  # where it lies in this rank's own space
 
 
+def _norm(grad, norm_type):
+    """A gradient's norm by the kernel torch.nn.utils.clip_grad_norm_ takes it with on its device:
+    torch._foreach_norm where the device has foreach kernels (the CPU, CUDA), else
+    torch.linalg.vector_norm. (On the CPU both give the same bits; on CUDA the foreach kernel is
+    another kernel, which torch does not promise sums in vector_norm's order.)"""
+    if _has_foreach_support([grad], grad.device):
+        return torch._foreach_norm([grad], norm_type)[0]
+    return torch.linalg.vector_norm(grad, norm_type)
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """The optimizer a user steps: backward (with fp16 loss scaling), clip_grad_norm_, step,
     zero_grad. It composes the parameters (5.1 or 5.3) and the gradient buckets (5.2). `optim`
@@ -569,8 +580,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.own_numel == self.partition.padded_numel:  # every gradient is whole here (stage 0, Nd 1)
             for i in range(self.n_trainable):
                 a = self.partition.offsets[i]
-                norms[i] = torch.linalg.vector_norm(self._grad(slice(a, a + self.partition.params[i].numel())),
-                                                    norm_type)
+                norms[i] = _norm(self._grad(slice(a, a + self.partition.params[i].numel())), norm_type)
         else:
             wholes = {}  # parameter index -> [its whole gradient, elements filled], round by round
             for rnd in self._norm_plan():
@@ -683,7 +693,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             wholes[i][0][at:at + n] = received[x:x + n]
             wholes[i][1], x = wholes[i][1] + n, x + n
             if wholes[i][1] == part.params[i].numel():  # all of it is here; freed once its norm is taken
-                norms[i] = torch.linalg.vector_norm(wholes.pop(i)[0], norm_type)
+                norms[i] = _norm(wholes.pop(i)[0], norm_type)
 
     def step(self):
         """Update this rank's part and make the parameters whole again. Returns False when fp16
