@@ -209,6 +209,37 @@ def test_dynamic_loss_scale_grows_backs_off_and_stops_at_min_scale(world, stage)
         assert stepped == moved == [True, True, True, False, False, False, False, True], (stepped, moved)
 
 
+def on_rank_growing_scale_unscales_by_the_scale_of_the_backward(stage):
+    """fp16, SGD with lr 0.25, the loss scale grown after every clean step; loss = sum(w . 1) from
+    w = 0, so each gradient is exactly 1: each step's update, read from the fp32 master."""
+    model = torch.nn.Linear(4, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    scaler = zero.DynamicLossScale(init_scale=8.0, growth_interval=1)
+    model, opt = zero.initialize(model, torch.optim.SGD, stage=stage, param_dtype=torch.float16, loss_scale=scaler,
+                                 lr=0.25)
+    updates, scales = [], []
+    for step in range(4):
+        before = zero.full_state_dict(model)["weight"]
+        opt.backward(model(torch.ones(1, 4, dtype=torch.float16)).float().sum())
+        opt.step()
+        opt.zero_grad()
+        updates.append(before - zero.full_state_dict(model)["weight"])
+        scales.append(opt.loss_scale)
+    return updates, scales
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_growing_loss_scale_unscales_the_step_it_grows_in(world, stage):
+    """The scale grows after the step has unscaled its gradients by the scale their backward was
+    scaled with (as torch's GradScaler.update after step), so a step that grows it updates by
+    lr x the gradient, not half of it: 0.25 each step, exactly, while the scale goes 16, 32, 64, 128."""
+    for updates, scales in world(2).run(on_rank_growing_scale_unscales_by_the_scale_of_the_backward, stage):
+        print("updates", [u.tolist() for u in updates], "scales", scales)
+        assert all(torch.equal(u, torch.full((1, 4), 0.25)) for u in updates), updates
+        assert scales == [16.0, 32.0, 64.0, 128.0], scales
+
+
 def on_rank_padding_is_not_an_overflow(stage):
     """Two steps with a static loss scale, every new tensor made during backward first filled
     with NaN (what uninitialised memory may hold, on a GPU especially): whether each stepped."""

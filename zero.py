@@ -701,11 +701,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.parameters.wait()  # stages 1-2: last step's all-gather, if no forward waited for it
         self._reduce()
         self.gradients.stepped = True  # this step's gradients are used: the next backward needs zero_grad()
-        if self.scaler:
-            self._update_loss_scale()
-            if self.overflow:
-                self._free_grads()
-                return False
+        if self.overflow:  # (loss scaling only) skipped on every rank, the scale backed off
+            s = self.scaler
+            self.loss_scale, self.clean_steps = max(self.loss_scale * s.backoff_factor, s.min_scale), 0
+            self._free_grads()
+            return False
         used = self.gradients.used_anywhere
         for window in self.windows:  # each piece steps once, on its own state: the bits of one whole step
             lo, hi = window[0][0].own.start, window[-1][0].own.stop
@@ -717,6 +717,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 w.grad = None
             del grads  # freed before the next window's is made
         self._free_grads()
+        if self.scaler:  # grown after growth_interval clean steps, once this step's gradients are unscaled
+            self.clean_steps += 1
+            if self.clean_steps == self.scaler.growth_interval:
+                self.loss_scale, self.clean_steps = self.loss_scale * self.scaler.growth_factor, 0
         if self.master is not None:  # fp32 master -> the 16-bit parameters
             self.parameters.copy_owned(self.owned, self.master)
         self.parameters.after_step()
@@ -727,15 +731,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for w in self.weights:
             w.grad = None
         self.grads_ready, self.clip_coefs = False, []
-
-    def _update_loss_scale(self):
-        s = self.scaler
-        if self.overflow:
-            self.loss_scale, self.clean_steps = max(self.loss_scale * s.backoff_factor, s.min_scale), 0
-        else:
-            self.clean_steps += 1
-            if self.clean_steps == s.growth_interval:
-                self.loss_scale, self.clean_steps = self.loss_scale * s.growth_factor, 0
 
     def zero_grad(self, set_to_none=True):
         if not set_to_none:
