@@ -375,7 +375,8 @@ def on_rank_alignment(stage):
     part, size = opt.partition, torch.bfloat16.itemsize
     starts = [(b.start + r * b.chunk) * size for b in part.buckets for r in range(part.nd)]
     starts += [b.own * size for b in part.buckets] + [b.chunk * size for b in part.buckets]
-    chunks = [opt.parameters.mine(k) for k in range(len(part.buckets))] + list(opt.gradients.reduced_chunks)
+    chunks = [opt.parameters.owned(part.chunk(k), part.own(k)) for k in range(len(part.buckets))]
+    chunks += list(opt.gradients.reduced_chunks)
     return [x for x in starts + [t.data_ptr() for t in chunks] if x % 16]
 
 

@@ -229,25 +229,21 @@ class FlatPartition:
         full = max(ALIGN, bucket_numel // self.nd // ALIGN * ALIGN) * self.nd
         flat = own = 0
         for run, trainable in runs:
-            first, at = len(self.buckets), flat
-            for p in run:
-                self.offsets[self.index[p]], at = at, at + p.numel()
-            numel = at - flat
+            first, start, numel = len(self.buckets), flat, sum(p.numel() for p in run)
             for lo in range(0, numel, full):
                 chunk = math.ceil(min(full, numel - lo) / self.nd / ALIGN) * ALIGN
                 self.buckets.append(Bucket(flat, min(full, numel - lo), chunk, own, trainable))
                 flat, own = flat + chunk * self.nd, own + chunk
-            k = first
-            for p in run:  # each parameter's segments, bucket by bucket
-                i = self.index[p]
-                a, end = self.offsets[i], self.offsets[i] + p.numel()
-                while a < end:
-                    while a >= self.buckets[k].start + self.buckets[k].numel:
-                        k += 1
+            at = start
+            for p in run:  # end to end; each parameter's segments, bucket by bucket (every bucket but the last is full)
+                i, end = self.index[p], at + p.numel()
+                self.offsets[i] = at
+                while at < end:
+                    k = first + (at - start) // full
                     hi = min(end, self.buckets[k].start + self.buckets[k].numel)
-                    self.buckets[k].segments.append((i, a, hi))
-                    self.segments_of[i].append((k, a, hi))
-                    a = hi
+                    self.buckets[k].segments.append((i, at, hi))
+                    self.segments_of[i].append((k, at, hi))
+                    at = hi
         self.padded_numel, self.shard_numel = flat, own
 
     def flat_range(self, k):
@@ -442,7 +438,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, module, partition, parameters, gradients, owned, precision, loss_scale, start,
                  optimizer_class, param_groups, optimizer_kwargs, tp_group):
-        self.module, self.partition, self.parameters, self.gradients = module, partition, parameters, gradients
+        self.partition, self.parameters, self.gradients = partition, parameters, gradients
         self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         self.owned, self.precision = owned, precision  # owned: per bucket, (flat slice, own slice)
         self.own_numel = sum(o.stop - o.start for f, o in owned)
@@ -477,23 +473,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 b = partition.buckets[k]
                 self.master[o].copy_(values[f.start - b.start:f.stop - b.start])
         parameters.bind()
-        weights = [self.master[p.own] if self.master is not None else parameters.view(p) for p in self.pieces]
+        self.weights = [self.master[p.own] if self.master is not None else parameters.owned(p.flat, p.own)
+                        for p in self.pieces]
         groups = param_groups if param_groups is not None else [{"params": list(module.parameters())}]
         piece_groups = []
         for g in groups:
             members = {partition.index[p] for p in g["params"]}
             piece_groups.append({**{k: v for k, v in g.items() if k != "params"},
-                                 "params": [w for w, p in zip(weights, self.pieces) if p.index in members]})
+                                 "params": [w for w, p in zip(self.weights, self.pieces) if p.index in members]})
         self.optim = optimizer_class(piece_groups, **optimizer_kwargs)
         self.group_members = [list(g["params"]) for g in groups]  # the user's groups, for checkpoints
         self.names = {p: n for n, p in module.named_parameters()}  # a tied weight: its first name
-        self.weights = weights
         # step() updates the pieces a window at a time, consecutive pieces spanning at most a bucket
         # (C_B) of the own space (or one larger piece): the gradient in the optimizer's dtype and the
         # optimizer's own temporaries (foreach AdamW's denominators) exist for one window, not for
         # the whole shard (4Ψ/Nd bytes each in 16-bit training), as DeepSpeed's sub_group_size.
         window, self.windows = max(b.chunk for b in partition.buckets) * partition.nd, []
-        for piece, w in zip(self.pieces, weights):
+        for piece, w in zip(self.pieces, self.weights):
             if not self.windows or piece.own.stop - self.windows[-1][0][0].own.start > window:
                 self.windows.append([])
             self.windows[-1].append((piece, w))
@@ -751,50 +747,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Stages 1-2: wait for the all-gather step() left in flight (other stages: nothing to wait for)."""
         self.parameters.wait()
 
-    def model_state_bytes(self):
-        """Bytes of this rank's parameters, gradients and optimizer states: the distinct storages
-        that hold them (one freed by stage 3 counts 0)."""
-        tensors = [p.grad for p in self.partition.params if p.grad is not None]
-        tensors += self.parameters.storages() + self.gradients.storages()  # the parameters are views of these
-        tensors += [self.master] if self.master is not None else []
-        tensors += [v for state in self.optim.state.values() for v in state.values() if torch.is_tensor(v)]
-        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                    for t in tensors if t.untyped_storage().nbytes() > 0}
-        return sum(storages.values())
-
     # Full tensors, in CPU memory, for export and tests (gathered; not on the training path).
     def _to_flat(self, own):
         return own.cpu() if self.own_numel == self.partition.padded_numel else self.partition.to_flat(own)
-
-    def full_state_dict(self):
-        self.parameters.wait()
-        # the fp32 master weights where they exist, else the parameters themselves
-        flat = self._to_flat(self.master) if self.master is not None else self.parameters.full()
-        part, state = self.partition, {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if t in part.index:
-                a = part.offsets[part.index[t]]
-                value = flat[a:a + t.numel()].view(t.shape)
-            else:  # a buffer: rank 0's, as the next forward would see it
-                value = t.detach().clone()
-                dist.broadcast(value, group_src=0, group=part.group)
-            # one copy, to the CPU and to fp32 at once: the state shares no storage with the model
-            state[name] = value.to("cpu", torch.float32 if value.is_floating_point() else value.dtype, copy=True)
-        return state
-
-    def full_optimizer_state(self):
-        """{parameter name: {state key: full tensor}}, as the optimizer would hold it whole."""
-        keys, scalars, keys_of = self._all_states()  # which parameters have state, which, its scalars
-        params = {n: p for n, p in self.module.named_parameters() if n in scalars}  # in module order
-        result = {name: {key: v.cpu() if torch.is_tensor(v) else v for key, v in scalars[name].items()}
-                  for name in params}
-        for key in keys:  # one gather per elementwise state
-            full = self._to_flat(self._own_state(key))
-            for name, p in params.items():
-                if key in keys_of[name]:  # (a group with amsgrad=False has no max_exp_avg_sq)
-                    a = self.partition.offsets[self.partition.index[p]]
-                    result[name][key] = full[a:a + p.numel()].view(p.shape).clone()
-        return result
 
     # For checkpoints: this rank's shard, read and written through its own space.
     def _all_states(self):
@@ -839,7 +794,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         own = part.chunk(k) if self.own_numel == part.padded_numel else part.own(k)  # stage 0: own = flat
         if key != "weights":
             return self._own_state(key, own)
-        return self.master[own] if self.master is not None else self.parameters.mine(k)
+        return self.master[own] if self.master is not None else self.parameters.owned(part.chunk(k), own)
 
 
 # -----------------------------------------------------------------------------------------
@@ -1065,10 +1020,7 @@ class FlatParameters:
         for p, a in zip(self.partition.params, self.partition.offsets):
             p.data = self.flat[a:a + p.numel()].view_as(p)
 
-    def view(self, piece):
-        return self.flat[piece.flat]
-
-    in_own_space = False  # view(piece) indexes the flat space
+    in_own_space = False  # owned(f, o) indexes the flat space
 
     def copy_owned(self, owned, source):
         """The owned ranges of the parameters from `source`, an own-space tensor."""
@@ -1081,9 +1033,6 @@ class FlatParameters:
     def owned(self, f, o):
         """The parameters over an owned range: flat slice f (own slice o)."""
         return self.flat[f]
-
-    def mine(self, k):
-        return self.flat[self.partition.chunk(k)]
 
     def after_step(self, frozen_too=False):
         if self.gather_after_step:  # each rank's updated chunk to every rank: Ψ per rank (Section 7.2.1)
@@ -1196,19 +1145,13 @@ class ShardedParameters:
             self.views.append(views)
             self._free(len(self.buffers) - 1)
 
-    def view(self, piece):
-        return self.shard[piece.own]
-
-    in_own_space = True  # view(piece) indexes the shard
+    in_own_space = True  # owned(f, o) indexes the shard
 
     def copy_owned(self, owned, source):
         self.shard.copy_(source)
 
     def owned(self, f, o):
         return self.shard[o]
-
-    def mine(self, k):
-        return self.shard[self.partition.own(k)]
 
     def after_step(self, frozen_too=False):
         """The shard changed (a step, a loaded checkpoint): no gathered copy may outlive it."""
@@ -1727,22 +1670,55 @@ def _engine(module):
     return module._zero
 
 
+def model_state_bytes(module):
+    """Bytes of the parameters, gradients and optimizer states this rank holds now: the distinct
+    storages that hold them (one freed by stage 3 counts 0)."""
+    opt = _engine(module)
+    tensors = [p.grad for p in opt.partition.params if p.grad is not None]
+    tensors += opt.parameters.storages() + opt.gradients.storages()  # the parameters are views of these
+    tensors += [opt.master] if opt.master is not None else []
+    tensors += [v for state in opt.optim.state.values() for v in state.values() if torch.is_tensor(v)]
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for t in tensors if t.untyped_storage().nbytes() > 0}
+    return sum(storages.values())
+
+
 def full_state_dict(module):
     """{name: full CPU tensor} for every parameter and buffer (floating point as fp32), the same
     keys as module.state_dict(), identical on every rank. A collective: call it on every rank.
     Gathered a bucket at a time: the device holds one bucket more; the CPU holds the model."""
-    return _engine(module).full_state_dict()
-
-
-def model_state_bytes(module):
-    """Bytes of parameters, gradients and optimizer states this rank holds now."""
-    return _engine(module).model_state_bytes()
+    opt = _engine(module)
+    opt.parameters.wait()
+    # the fp32 master weights where they exist, else the parameters themselves
+    flat = opt._to_flat(opt.master) if opt.master is not None else opt.parameters.full()
+    part, state = opt.partition, {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if t in part.index:
+            a = part.offsets[part.index[t]]
+            value = flat[a:a + t.numel()].view(t.shape)
+        else:  # a buffer: rank 0's, as the next forward would see it
+            value = t.detach().clone()
+            dist.broadcast(value, group_src=0, group=part.group)
+        # one copy, to the CPU and to fp32 at once: the state shares no storage with the model
+        state[name] = value.to("cpu", torch.float32 if value.is_floating_point() else value.dtype, copy=True)
+    return state
 
 
 def full_optimizer_state(module):
     """{parameter name: {state key: full CPU tensor}}: the optimizer state as one unsharded
     optimizer would hold it. A collective: call it on every rank."""
-    return _engine(module).full_optimizer_state()
+    opt = _engine(module)
+    keys, scalars, keys_of = opt._all_states()  # which parameters have state, which, its scalars
+    params = {n: p for n, p in module.named_parameters() if n in scalars}  # in module order
+    result = {name: {key: v.cpu() if torch.is_tensor(v) else v for key, v in scalars[name].items()}
+              for name in params}
+    for key in keys:  # one gather per elementwise state
+        full = opt._to_flat(opt._own_state(key))
+        for name, p in params.items():
+            if key in keys_of[name]:  # (a group with amsgrad=False has no max_exp_avg_sq)
+                a = opt.partition.offsets[opt.partition.index[p]]
+                result[name][key] = full[a:a + p.numel()].view(p.shape).clone()
+    return result
 
 
 # -----------------------------------------------------------------------------------------
@@ -1948,7 +1924,8 @@ def load_checkpoint(path, model, optimizer):
         saved = {n: list(buffers[n].shape) for n in reader.rest(0).get("persistent", buffers)}
         here = {n: list(b.shape) for n, b in live.items()}
         problems += [f"another model: buffer {n} is {here.get(n, 'not in this model')} here, "
-                     f"{saved.get(n, 'not')} saved" for n in sorted(set(saved) | set(here)) if saved.get(n) != here.get(n)]
+                     f"{saved.get(n, 'not')} saved"
+                     for n in sorted(set(saved) | set(here)) if saved.get(n) != here.get(n)]
     except Exception as e:
         problems.append(f"rank{part.rank % manifest['nd']}.rest.pt, rank0.rest.pt or scalars.pt cannot be read: "
                         f"{type(e).__name__}: {str(e).splitlines()[0]}")
