@@ -8,7 +8,8 @@ master copy of its weights updated by torch.optim.AdamW after torch.nn.utils.cli
 Accumulation semantics, the same on both sides: each micro-batch's gradient is averaged over
 ranks on its own (in the reduction dtype), and the averages are summed in micro-batch order.
 fp16: the fp32 loss times the loss scale is backpropagated; the summed gradient, cast to fp32,
-is checked for inf/nan (on any rank), divided by the scale, clipped, then stepped.
+is checked for inf/nan (on any rank), unscaled as GradScaler does (times the scale's reciprocal),
+clipped, then stepped.
 """
 import pytest
 import torch
@@ -102,7 +103,8 @@ def reference(dtype_name, fp16_scale, reduce32=False):
         stepped, norm = True, None
         if scale:
             overflow = any(not g.isfinite().all() for g in grads if g is not None)
-            grads = [None if g is None else g / scale for g in grads]
+            inv = torch.tensor(scale, dtype=torch.float32).double().reciprocal().float()  # as GradScaler.unscale_
+            grads = [None if g is None else g * inv for g in grads]
             if overflow:
                 scale, clean, stepped = scale * 0.5, 0, False
             else:
@@ -238,6 +240,36 @@ def test_a_growing_loss_scale_unscales_the_step_it_grows_in(world, stage):
         print("updates", [u.tolist() for u in updates], "scales", scales)
         assert all(torch.equal(u, torch.full((1, 4), 0.25)) for u in updates), updates
         assert scales == [16.0, 32.0, 64.0, 128.0], scales
+
+
+def on_rank_unscale_like_grad_scaler(scale):
+    """fp16 over an fp32 master with a static loss scale, SGD lr 1, one step: zero's weights, and
+    torch's: the same fp16 model's gradient as an fp32 master's, through GradScaler.unscale_."""
+    torch.manual_seed(0)
+    linear, x = torch.nn.Linear(64, 16, bias=False), torch.randn(32, 64)
+    start = linear.weight.detach().clone()
+    model, opt = zero.initialize(linear, torch.optim.SGD, stage=0, param_dtype=torch.float16, loss_scale=scale, lr=1.0)
+    opt.backward(model(x.half()).float().square().mean())
+    assert opt.step()
+    ref16 = torch.nn.Linear(64, 16, bias=False).half()
+    ref16.weight.data.copy_(start.half())
+    master = start.clone().requires_grad_(True)
+    sgd, scaler = torch.optim.SGD([master], lr=1.0), torch.amp.GradScaler("cpu", init_scale=scale)
+    scaler.scale(ref16(x.half()).float().square().mean()).backward()
+    master.grad = ref16.weight.grad.float()
+    scaler.unscale_(sgd)
+    scaler.step(sgd)
+    return zero.full_state_dict(model)["weight"], master.detach()
+
+
+@pytest.mark.xdist_group("world1")
+@pytest.mark.parametrize("scale", [1024.0, 1000.0, 3.0])
+def test_unscaling_is_grad_scalers_bit_for_bit(world, scale):
+    """GradScaler multiplies by the reciprocal of its fp32 scale (computed in fp64), which for a
+    scale that is not a power of 2 differs from dividing by it in the last bit of some elements."""
+    got, want = world(1).run(on_rank_unscale_like_grad_scaler, scale)[0]
+    print(f"scale {scale}: {(got != want).sum().item()} of {got.numel()} elements differ")
+    assert torch.equal(got, want)
 
 
 def on_rank_padding_is_not_an_overflow(stage):

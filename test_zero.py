@@ -1144,11 +1144,17 @@ def on_rank_torch_idioms(stage):
     loss_of(model, 0).backward()
     failures += missed_errors({"['frozen.weight', 'frozen.bias'] had requires_grad=False at zero.initialize": opt.step},
                               RuntimeError)
-    model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2, param_dtype=torch.float16,
-                                 loss_scale=1024.0)
-    opt.backward(loss_of(model, 0) * float("inf"))
-    if opt.step() or opt.loss_scale != 1024.0:
-        failures.append(f"a static loss scale of 1024 after an overflow: {opt.loss_scale}, the step not skipped")
+    for scale in (1024.0, 0.25):  # (no min_scale applies to a static scale)
+        model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2, param_dtype=torch.float16,
+                                     loss_scale=scale)
+        opt.backward(loss_of(model, 0) * float("inf"))
+        if opt.step() or opt.loss_scale != scale:
+            failures.append(f"a static loss scale of {scale} after an overflow: {opt.loss_scale}, the step not skipped")
+    model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
+    loss_of(model, 0).backward()
+    opt.clip_grad_norm_(1.0)  # then another micro-batch: its gradient would miss the clip
+    failures += missed_errors({"backward after optimizer.clip_grad_norm_() in the same step":
+                               lambda: loss_of(model, 1).backward()}, RuntimeError)
     return failures
 
 

@@ -430,6 +430,7 @@ def save(path, args, tp_group, model, optimizer, **extra):
         raise error
 
 
+@torch.no_grad()  # (with a graph, each batch's would be kept until the sum is read)
 def evaluate(model, val_data, args, device, dp_group, dp, batches=4):
     gen = torch.Generator().manual_seed(dist.get_rank(dp_group))  # the same validation batches every time
     total = torch.zeros((), device=device)

@@ -496,7 +496,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if loss_scale is None and precision.param_dtype == torch.float16:
             loss_scale = DynamicLossScale()
         # a number: a static scale, never grown or backed off (a step that overflows is still skipped)
-        self.scaler = DynamicLossScale(init_scale=loss_scale, growth_interval=2**62, backoff_factor=1.0) \
+        self.scaler = DynamicLossScale(loss_scale, growth_interval=2**62, backoff_factor=1.0, min_scale=0.0) \
             if isinstance(loss_scale, (int, float)) else loss_scale
         self.loss_scale = self.scaler.init_scale if self.scaler else 1.0
         gradients.require_scaled_backward = self.scaler is not None
@@ -556,8 +556,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grad = self.gradients.own(own, self.weights_dtype)
         if (self.scaler or self.clip_coefs) and grad._is_view() and not last:  # clipping reads it again
             grad = grad.clone()
-        if self.scaler:
-            grad.div_(self.loss_scale)
+        if self.scaler:  # times the scale's reciprocal, as GradScaler.unscale_: the fp32 scale inverted in fp64
+            grad.mul_(torch.tensor(self.loss_scale, dtype=torch.float32).double().reciprocal().float().item())
         for coef in self.clip_coefs:  # (one per clip_grad_norm_ this step)
             grad.mul_(coef)
         return grad
@@ -569,6 +569,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         "norm rank" (chosen to balance the bytes): each rank sends about Ψ/Nd elements a step, in
         rounds of at most a bucket. With a tp_group, the norm is the whole model's (Megatron's rule):
         the split parameters' norms from every tp rank, the replicated ones once. Returns the total norm."""
+        if self.gradients.micro_batches == 0 and not self.grads_ready:  # no gradient yet: 0, nothing to clip
+            return torch.zeros((), dtype=self.weights_dtype, device=self.partition.device)
         self._reduce()
         used = self.gradients.used_anywhere
         like = torch.empty(0, dtype=self.weights_dtype, device=self.partition.device)
@@ -836,7 +838,7 @@ class GradientBuckets:
         for p in self.partition.params:
             p.grad = None
         self.micro_batches, self.used_so_far, self.used_flags = 0, [False] * self.n_trainable, []
-        self.stepped = False  # set by the optimizer's step()
+        self.finished, self.stepped = False, False  # set by finish() and by the optimizer's step()
         self._new_backward()
 
     @property
@@ -873,6 +875,10 @@ class GradientBuckets:
             return
         if self.require_scaled_backward and not self.scaled_backward:
             raise RuntimeError("with fp16 loss scaling, call optimizer.backward(loss) instead of loss.backward()")
+        if self.finished and not self.stepped:  # it would miss the clip (and stage 0's all-gather)
+            raise RuntimeError("backward after optimizer.clip_grad_norm_() in the same step: the clip reduced and "
+                               "clipped the gradients so far; call clip_grad_norm_() after the step's last backward, "
+                               "just before step()")
         if self.stepped:  # its sum would be added to the gradients the step has used
             raise RuntimeError(f"backward reached {self.name}'s parameters after its optimizer.step() without "
                                f"optimizer.zero_grad() (or model.zero_grad()): zero the gradients after each step "
@@ -941,6 +947,7 @@ class GradientBuckets:
         reduced chunks (Ψ/Nd)."""
         if self.micro_batches == 0:
             self._finish_backward()
+        self.finished = True
         part = self.partition
         for k in self.order if self.replicate else ():
             part.all_gather(self.reduced[part.flat_range(k)], self.reduced_chunks[k], async_op=False)
