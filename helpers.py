@@ -68,14 +68,15 @@ def pairwise_sum(parts):
 def pairwise_hook(state, bucket):
     """DDP's own all_reduce, at world size 3 and more, sums each element in an order that
     depends on the bucket layout (gloo's ring; and DDP rebuilds its buckets after the first
-    step), which no other layout reproduces. This comm hook makes DDP sum in zero.py's order,
-    pairwise_sum, then divide by Nd. DDP hands a hook the undivided local gradients."""
+    step), which no other layout reproduces. This comm hook makes DDP average as zero.py does:
+    each rank's gradients divided by Nd, then summed in pairwise_sum's order. DDP hands a hook the
+    undivided local gradients."""
     nd = dist.get_world_size()
-    t = bucket.buffer()
+    t = bucket.buffer().div_(nd)
     parts = [torch.empty_like(t) for _ in range(nd)]
     dist.all_gather(parts, t)
     fut = torch.futures.Future()
-    fut.set_result(pairwise_sum(parts).div_(nd))
+    fut.set_result(pairwise_sum(parts))
     return fut
 
 

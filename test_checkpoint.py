@@ -213,8 +213,8 @@ def on_rank_zero_next_step(path, stage):
 
 def plain_next_step(path, nd):
     """An unsharded GPT and torch's AdamW from the consolidated checkpoint, one step on the
-    batches of nd ranks: each rank's gradient, summed, divided by nd (zero's exact reduction; at
-    nd 1-2 every order of the sum gives the same bits), so the bits are zero's."""
+    batches of nd ranks: each rank's gradient divided by nd, then summed (zero's exact reduction;
+    at nd 1-2 every order of the sum gives the same bits), so the bits are zero's."""
     state = zero.consolidate(path, pathlib.Path(path).parent / "plain.pt")
     module = GPT(CONFIG, seed=0)
     module.load_state_dict(state["model"])
@@ -230,10 +230,10 @@ def plain_next_step(path, nd):
         module(x, y)[1].backward()
         grads.append([p.grad.clone() for p in module.parameters()])
     for i, p in enumerate(module.parameters()):
-        total = grads[0][i]
+        total = grads[0][i] / nd
         for rank in range(1, nd):
-            total = total + grads[rank][i]
-        p.grad = total / nd
+            total = total + grads[rank][i] / nd
+        p.grad = total
     for group in opt.param_groups:
         group["lr"] = 1e-2 / 3
     opt.step()

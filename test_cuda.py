@@ -60,7 +60,7 @@ def on_rank_exact_reduction(numel):
     bucket = torch.randn(chunk * nd, device=device, generator=g)
     everyone = [torch.empty_like(bucket) for _ in range(nd)]
     dist.all_gather(everyone, bucket)
-    want = pairwise_sum([b[rank * chunk:(rank + 1) * chunk] for b in everyone]) / nd
+    want = pairwise_sum([b[rank * chunk:(rank + 1) * chunk] / nd for b in everyone])
     got = torch.empty(chunk, device=device)
     part.finish_reduce(part.reduce_scatter(bucket, 0), got, add=False)
     return bool(torch.equal(got, want))

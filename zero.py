@@ -10,10 +10,10 @@ Parameter Models" (Rajbhandari, Rasley, Ruwase, He; SC 2020), on torch.distribut
     stage 3  P_os+g+p: ... and parameters                               (4 + 4 + K)Ψ/Nd
     (fp32 parameters and gradients here; the paper's 2Ψ terms are its fp16 copies)
 
-reduction="exact" (the default) sums gradients in one fixed order, a pairwise tree over the ranks
-((g_0 + g_1) + (g_2 + g_3) at Nd 4), then divides by Nd: every stage and bucket size gives the
-same bits, DistributedDataParallel's at Nd 2 (beyond, DDP's all-reduce sums in an order set by its
-bucket layout; the tests give it this one with a comm hook).
+reduction="exact" (the default) divides each rank's gradients by Nd, as DDP does, and sums them in
+one fixed order, a pairwise tree over the ranks ((g_0 + g_1) + (g_2 + g_3) at Nd 4): every stage
+and bucket size gives the same bits, DistributedDataParallel's at Nd 2 (beyond, DDP's all-reduce
+sums in an order set by its bucket layout; the tests give it this one with a comm hook).
 reduction="native" uses the backend's reduce-scatter, in its own order (on NCCL the same traffic).
 
 In the paper's order: Section 3 (where the memory goes), 3.1 (mixed precision), 5 and 7 (the
@@ -201,7 +201,7 @@ class DynamicLossScale:
 # sends and receives (Nd-1)/Nd of every bucket, a ring's volume (Section 7), at any Nd.
 # A rank's chunks end to end are its shard, its "own space" (shard_numel elements).
 # ZeRO-DP is built from two collectives over a bucket:
-#   reduce-scatter  every rank's gradient bucket in, the sum of chunk r out on rank r
+#   reduce-scatter  every rank's gradient bucket in, the mean of chunk r out on rank r
 #   all-gather      chunk r from rank r in, the whole bucket out on every rank
 @dataclass
 class Bucket:
@@ -267,9 +267,12 @@ class FlatPartition:
         return slice(b.own, b.own + b.chunk)
 
     def reduce_scatter(self, bucket, k):
-        """Start summing `bucket` (chunk * Nd,) over the ranks; each rank sends and receives
-        (Nd-1)/Nd of it (Section 7.1). finish_reduce ends it."""
+        """Start averaging `bucket` (chunk * Nd,) over the ranks; each rank sends and receives
+        (Nd-1)/Nd of it (Section 7.1). finish_reduce ends it. Each rank divides its own bucket by
+        Nd first, as DDP does: a sum of Nd fp16 gradients can overflow where their mean does not,
+        and at Nd 2 the mean then has DDP's bits whatever the values (small fp16 ones included)."""
         chunk = self.buckets[k].chunk
+        bucket.div_(self.nd)  # in place: the bucket is this rank's to send
         if self.reduction == "exact":
             # all-to-all: chunk j of my bucket to rank j -> row j of `received` is rank j's copy of my
             # chunk, (nd * chunk,) = one bucket, whatever Nd
@@ -283,8 +286,8 @@ class FlatPartition:
 
     def finish_reduce(self, pending, out, add):
         """Wait for a reduce_scatter; write its mean into out (chunk,), or add it (add=True).
-        Exact: the Nd rows summed pairwise, a tree fixed by rank, (g_0 + g_1) + (g_2 + g_3) at
-        Nd 4, then divided by Nd. A level is one add over all its pairs: ceil(log2 Nd) kernels a
+        Exact: the Nd rows (each divided by Nd) summed pairwise, a tree fixed by rank,
+        (g_0 + g_1) + (g_2 + g_3) at Nd 4. A level is one add over all its pairs: ceil(log2 Nd) kernels a
         bucket, where a rank-by-rank fold would launch Nd - 1 (15 million a step for 1T at Nd 1024)."""
         work, bucket, rows = pending
         work.wait()  # `bucket` was kept alive until now: it is the send buffer
@@ -295,9 +298,9 @@ class FlatPartition:
             rows[0:2 * pairs:2].add_(rows[1:2 * pairs:2])
             rows = rows[0::2]  # the sums, and an odd last row as it was
         if add:  # a later micro-batch: its mean added to the sum so far
-            out.add_(rows[0].div_(self.nd))
+            out.add_(rows[0])
         else:
-            torch.div(rows[0], self.nd, out=out)
+            out.copy_(rows[0])
 
     def all_gather(self, out, mine, async_op=True):
         """out (chunk * Nd,): every rank's chunk; mine (chunk,) this rank's, in place when it is
