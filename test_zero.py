@@ -934,6 +934,50 @@ def test_stage1_2_parameters_listed_after_step_are_the_stepped_weights(world, st
     assert world(2).run(on_rank_parameters_read_right_after_step, stage) == [[], []]
 
 
+class ReadsAChildsWeight(nn.Module):
+    """Functional weight tying: the input embedding is head's weight, read by this module's own
+    code before head runs; and a branch (`extra`) that only the third step takes."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.extra, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 11)
+
+    def forward(self, idx, branch=False):
+        h = torch.tanh(self.body(F.embedding(idx, self.head.weight)))
+        return self.head(self.extra(h) if branch else h)
+
+
+def on_rank_losses_reading_a_childs_weight(stage):
+    """Four SGD steps, rank 1 0.3 s late to each step (rank 0's forward finds the all-gathers in
+    flight): the losses."""
+    torch.manual_seed(0)
+    model, opt = zero.initialize(ReadsAChildsWeight(), torch.optim.SGD, stage=stage, bucket_numel=64, lr=0.5)
+    losses = []
+    for step in range(4):
+        idx = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        loss = F.cross_entropy(model(idx, branch=step == 2).view(-1, 11), idx.view(-1))
+        loss.backward()
+        if dist.get_rank() == 1:
+            time.sleep(0.3)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@pytest.mark.xdist_group("world2b")
+def test_stage1_2_forward_waits_for_every_parameter_a_module_reads(world):
+    """The first forward learns which parameters each module's own code reads (a child's weight
+    too, before the child runs), and each later forward waits for those; a module that did not run
+    in the first forward waits for everything. Stages 1-2 give stage 0's losses bit for bit (with
+    only each module's own parameters waited for, the root read head.weight stale)."""
+    want = world(2).run(on_rank_losses_reading_a_childs_weight, 0)
+    for stage in (1, 2):
+        got = world(2).run(on_rank_losses_reading_a_childs_weight, stage)
+        print(f"stage {stage}: {[g.tolist() for g in got]}, stage 0: {[w.tolist() for w in want]}")
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def on_rank_compiled_losses(stage):
     """Losses and final weights of 4 SGD steps, eager and under torch.compile(model), rank 1 0.2 s
     late to each step (so that rank 0's forward finds stages 1-2's all-gathers in flight)."""

@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.autograd import Variable
+from torch.overrides import TorchFunctionMode
 from torch.utils._foreach_utils import _has_foreach_support
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
@@ -981,19 +982,39 @@ def _call_weakly(method, *args):
 # Stages 0-2 keep every parameter, each a view into one flat buffer (padded_numel,). After the
 # step (5.1), stages 1-2 all-gather each bucket's updated chunks in place, left in flight: each
 # module's next forward waits for the buckets that cover the parameters it reads.
+class ParameterReads(TorchFunctionMode):
+    """During the first forward: the modules running (innermost last) and, for each module that
+    ran, the end in the flat space of the farthest parameter its own code read, another module's
+    too (F.embedding(idx, self.head.weight) before self.head runs; nn.MultiheadAttention reads
+    out_proj.weight without calling out_proj)."""
+
+    def __init__(self, partition):
+        super().__init__()
+        self.partition, self.running, self.ends = partition, [], {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        part = self.partition
+        for t in tree_flatten((args, kwargs))[0]:
+            if self.running and isinstance(t, torch.nn.Parameter) and t in part.index:
+                m = self.running[-1]
+                self.ends[m] = max(self.ends[m], part.offsets[part.index[t]] + t.numel())
+        return func(*args, **(kwargs or {}))
+
+
 class FlatParameters:
     def __init__(self, partition, module, dtype, gather_after_step):
         self.partition, self.gather_after_step = partition, gather_after_step
         self.flat = torch.zeros(partition.padded_numel, dtype=dtype, device=partition.device)
         self.in_flight = []  # (flat start, work) of the all-gathers step() left in flight
-        self.ran, self.ends = set(), None  # the first forward's modules; then each one's wait point
+        self.reads, self.ends = None, None  # what the first forward read; then each module's wait point
         if gather_after_step:
             for m in module.modules():
                 if next(m.parameters(), None) is not None:  # a module with no parameter below reads none
                     m.register_forward_pre_hook(lambda mod, args: self._pre_forward(mod))
+                    m.register_forward_hook(lambda mod, args, out: self._post_forward(), always_call=True)
                 m.register_state_dict_pre_hook(lambda *args: self.wait())
                 m.named_parameters = types.MethodType(self._after_wait, m)  # parameters() too
-            module.register_forward_hook(lambda mod, args, out: self._learn_ends())
+            module.register_forward_hook(lambda mod, args, out: self._learn_ends(), always_call=True)
 
     def _after_wait(self, module, *args, **kwargs):
         """A parameter read between step() and the next forward (an EMA, a logged norm) is the
@@ -1003,25 +1024,34 @@ class FlatParameters:
         return type(module).named_parameters(module, *args, **kwargs)
 
     def _pre_forward(self, m):
-        if self.ends is None:  # the first forward waits for everything and notes which modules run
-            self.ran.add(m)
-            self.wait()
-        else:
-            self.wait(self.ends.get(m, 0))
+        if self.ends is not None:  # (a module that did not run in the first forward waits for all)
+            self.wait(self.ends.get(m, math.inf))
+            return
+        self.wait()  # the first forward waits for everything and learns what each module reads
+        if self.reads is None:
+            self.reads = ParameterReads(self.partition)
+            self.reads.__enter__()
+        self.reads.running.append(m)
+        self.reads.ends.setdefault(m, 0)
+
+    def _post_forward(self):
+        if self.ends is None and self.reads is not None:
+            self.reads.running.pop()
 
     def _learn_ends(self):
-        """Each module's wait point: the end of its own parameters and of those of children whose
-        forward did not run in the first forward, which it reads itself (nn.MultiheadAttention
-        reads out_proj.weight without calling out_proj)."""
-        if self.ends is not None:
+        """Each module's wait point: the end of what its own code read in the first forward, and
+        at least of its own parameters and of children that did not run there (should reads have
+        escaped the mode, inside a region torch.compile made)."""
+        if self.ends is not None or self.reads is None:
             return
-        part = self.partition
+        self.reads.__exit__(None, None, None)
+        part, ran = self.partition, self.reads.ends
 
         def end(m):
             own = [part.offsets[part.index[p]] + p.numel() for p in m.parameters(recurse=False)]
-            return max(own + [end(c) for c in m.children() if c not in self.ran], default=0)
+            return max(own + [end(c) for c in m.children() if c not in ran], default=0)
 
-        self.ends = {m: end(m) for m in self.ran}
+        self.ends = {m: max(read, end(m)) for m, read in ran.items()}
 
     def load(self, k, values):
         self.flat[self.partition.flat_range(k)].copy_(values)
