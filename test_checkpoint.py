@@ -257,12 +257,13 @@ def test_consolidated_checkpoint_steps_like_zero_in_plain_torch(world, tmp_path,
 
 class WithAux(torch.nn.Module):
     """A branch an evaluation leaves out, a non-persistent buffer (like a RoPE cache), and a
-    persistent one."""
+    persistent one, registered under two names (a state_dict holds both)."""
 
     def __init__(self):
         super().__init__()
         self.lin, self.aux = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
         self.register_buffer("scale", torch.full((64,), 1 / 3))
+        self.lin.register_buffer("scale", self.scale)
         self.register_buffer("cache", torch.arange(64.0), persistent=False)
 
     def forward(self, x, aux=True):

@@ -140,7 +140,7 @@ def on_rank_meta_bad_inputs():
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight)
     cases = {
-        "init_fn left ['bias'] of Linear unset (NaN): init_fn(m) must fill every parameter": lambda: zero.initialize(
+        "init_fn left ['bias'] of Linear unset: init_fn(m) must fill every parameter": lambda: zero.initialize(
             nn.Sequential(nn.Linear(4, 4, device="meta")), torch.optim.AdamW, stage=1, init_fn=forgets_a_bias),
         "init_fn left ['in_proj_weight', 'in_proj_bias'] of MultiheadAttention unset": lambda: zero.initialize(
             nn.MultiheadAttention(8, 2, device="meta"), torch.optim.AdamW, stage=3,
@@ -151,7 +151,53 @@ def on_rank_meta_bad_inputs():
         "already initialised: drop init_fn": lambda: zero.initialize(
             nn.Linear(4, 4), torch.optim.AdamW, stage=3, init_fn=lambda m: m.reset_parameters()),
     }
+    for what, dtype in (("left ['cache', 'table'] of WithBuffers unset", torch.int64),
+                        ("init_fn left ['cache', 'table'] of WithBuffers", torch.complex64)):
+        cases[what] = lambda dtype=dtype: zero.initialize(  # buffers from __init__ that init_fn does not refill
+            WithBuffers(meta=True, dtype=dtype), torch.optim.AdamW, stage=1, init_fn=lambda m: m.reset_parameters())
     return missed_errors(cases, ValueError)
+
+
+class WithBuffers(nn.Linear):
+    """Buffers computed in __init__, as a causal mask, position ids or a RoPE cache are: on meta
+    they have no values, and init_fn must compute them again (fill_buffers). `kept` is made on the
+    CPU even under the meta device, and keeps its values."""
+
+    def __init__(self, meta=False, dtype=torch.int64):
+        super().__init__(6, 6, device="meta" if meta else None)
+        self.register_buffer("mask", torch.ones(6, 6, dtype=torch.bool, device=self.weight.device).tril())
+        self.register_buffer("cache", torch.arange(6, device=self.weight.device).to(dtype))
+        self.register_buffer("table", torch.arange(6.0, device=self.weight.device).mul(0.37).sin())
+        self.register_buffer("kept", torch.arange(6, device="cpu"))
+
+    def fill_buffers(self):
+        self.mask.copy_(torch.ones(6, 6, dtype=torch.bool).tril())
+        self.cache.copy_(torch.arange(6).to(self.cache.dtype))
+        self.table.copy_(torch.arange(6.0)).mul_(0.37).sin_()
+
+
+def on_rank_meta_buffers(stage):
+    """Every buffer after initialize, built whole and on meta, bf16 compute over an fp32 master."""
+    result = []
+    for meta in (False, True):
+        torch.manual_seed(0)
+        init_fn = lambda m: (m.reset_parameters(), m.fill_buffers())
+        model, opt = zero.initialize(WithBuffers(meta, torch.complex64), torch.optim.AdamW, stage=stage, lr=1e-2,
+                                     param_dtype=torch.bfloat16, init_fn=init_fn if meta else None)
+        result.append({name: b.clone() for name, b in model.named_buffers()})
+    return result
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_meta_init_fills_buffers_of_every_dtype_as_the_whole_build(world, stage):
+    """A bool mask, a complex cache and a float table computed again by init_fn, and a buffer made
+    on the CPU, equal the whole build's, the float one cast to bf16 once (init_fn fills it in its
+    own dtype); an integer or complex buffer init_fn leaves unset is an error (see above), where it
+    was memory left as it was, different on each rank."""
+    for whole, meta in world(2).run(on_rank_meta_buffers, stage):
+        print({name: (b.dtype, torch.equal(b, meta[name])) for name, b in whole.items()})
+        assert set(whole) == set(meta) and all(torch.equal(b, meta[name]) for name, b in whole.items())
 
 
 @pytest.mark.xdist_group("world1")

@@ -358,13 +358,14 @@ class MetaInit:
             real.__dict__.update(p.__dict__)  # attributes such as gpt.py's tensor-parallel marks
             real.untyped_storage().resize_(0)
             torch.utils.swap_tensors(p, real)
-        self.materialized = set()
+        self.materialized, self.created = set(), set()  # created: the buffers made here, for init_fn to fill
         for m in module.modules():  # buffers are small and every rank keeps them whole
-            if any(b.is_meta for b in m.buffers(recurse=False)):
-                for name, b in m.named_buffers(recurse=False):
-                    setattr(m, name, torch.empty_like(b, device=device))
-                if not any(self.owner[p] is m for p in m.parameters(recurse=False)):
-                    self._materialize(m)  # else init_fn fills them with its parameters, bucket by bucket
+            on_meta = [name for name, b in m.named_buffers(recurse=False) if b.is_meta]  # (a real one stays)
+            for name in on_meta:
+                setattr(m, name, torch.empty_like(getattr(m, name), device=device))
+                self.created.add(getattr(m, name))
+            if on_meta and not any(self.owner[p] is m for p in m.parameters(recurse=False)):
+                self._materialize(m)  # else init_fn fills them with its parameters, bucket by bucket
 
     def values(self, k):
         """Bucket k's parameter values, padded with zeros, initialised on this rank."""
@@ -395,20 +396,31 @@ class MetaInit:
                 scratch = torch.nn.Parameter(torch.empty_like(p), p.requires_grad)
                 scratch.__dict__.update(p.__dict__)
                 setattr(m, name, scratch)
-        mine = [(name, t) for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
-                if t.is_floating_point() and not t.is_meta and name not in shared]  # (meta: nothing to check)
+        mine = [(name, t) for name, t in m.named_parameters(recurse=False) if name not in shared]
+        mine += [(name, t) for name, t in m.named_buffers(recurse=False) if t in self.created]
+        mine = [(name, t) for name, t in mine if not t.is_meta]  # (meta: no values to check)
         with torch.no_grad():
-            for name, t in mine:
-                t.fill_(math.nan)  # what init_fn leaves unset stays NaN, and is caught below
+            for name, t in mine:  # what init_fn leaves unset keeps this value, and is caught below
+                t.fill_(_unset_value(t))
         self.materialized.add(m)
         self.init_fn(m)
-        unset = [name for name, t in mine if t.isnan().any()]
+        unset = [name for name, t in mine if t.dtype != torch.bool and
+                 (t.isnan() if t.is_floating_point() or t.is_complex() else t == _unset_value(t)).any()]
         if unset:
-            raise ValueError(f"init_fn left {unset} of {type(m).__name__} unset (NaN): init_fn(m) must fill every "
-                             f"parameter and floating-point buffer m holds itself (e.g. nn.MultiheadAttention has "
-                             f"no reset_parameters: fill its in_proj_weight, in_proj_bias)")
+            raise ValueError(f"init_fn left {unset} of {type(m).__name__} unset: init_fn(m) must fill every "
+                             f"parameter and buffer m holds itself, a buffer computed in __init__ too (a mask, "
+                             f"position ids, a RoPE cache; nn.MultiheadAttention has no reset_parameters: fill its "
+                             f"in_proj_weight, in_proj_bias)")
         for name, p in shared.items():
             setattr(m, name, p)
+
+
+def _unset_value(t):
+    """What a tensor init_fn must fill holds before it runs: NaN, an integer type's largest value,
+    or False (a bool has no value to tell unset apart: it is at least the same on every rank)."""
+    if t.is_floating_point() or t.is_complex():
+        return math.nan
+    return False if t.dtype == torch.bool else torch.iinfo(t.dtype).max
 
 
 # -----------------------------------------------------------------------------------------
@@ -1566,9 +1578,6 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
                               torch.device(device))
     start = MetaInit(module, partition, init_fn).values if params[0].is_meta \
         else partition.rank0_values
-    for b in module.buffers():
-        if b.is_floating_point():
-            b.data = b.data.to(precision.param_dtype)
     if stage < 3:
         parameters = FlatParameters(partition, module, precision.param_dtype, gather_after_step=stage > 0)
     else:
@@ -1584,6 +1593,9 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         [(partition.chunk(k), partition.own(k)) for k in buckets]
     optimizer = ZeroOptimizer(module, partition, parameters, gradients, owned, precision, loss_scale, start,
                               optimizer_class, param_groups, optimizer_kwargs, tp_group)
+    for b in module.buffers():  # (now that init_fn has filled a meta module's buffers in their own dtype)
+        if b.is_floating_point():
+            b.data = b.data.to(precision.param_dtype)
     buffers = list(module.buffers())
     if buffers and partition.nd > 1:
         module.register_forward_pre_hook(functools.partial(_broadcast_buffers, buffers, group, [False]))
@@ -1856,7 +1868,7 @@ def _refuse_pending_gradients(opt, what, why):
 
 def _persistent_buffers(model):
     """{name: buffer} of the buffers a state_dict holds (not a non-persistent one, e.g. a RoPE cache)."""
-    buffers = dict(model.named_buffers())
+    buffers = dict(model.named_buffers(remove_duplicate=False))  # a buffer under two names: both
     return {name: buffers[name] for name in model.state_dict(keep_vars=True) if name in buffers}
 
 
