@@ -978,6 +978,56 @@ def test_stage1_2_forward_waits_for_every_parameter_a_module_reads(world):
         assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+class Positions(nn.Module):
+    """A learned positional embedding that returns a view of its own weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 8))
+
+    def forward(self, t):
+        return self.weight[:t]
+
+
+def on_rank_stage3_patterns(stage):
+    """Three SGD steps of a model with a positional embedding returning a view of its weight and a
+    layer under the old torch.nn.utils.weight_norm (a forward pre-hook computes the weight from
+    weight_g and weight_v), each step also taking the loss's gradient for the input (saliency);
+    then fp16 with loss scaling, the same input gradient. The losses and input gradients."""
+    torch.manual_seed(0)
+    positions, fc = Positions(), nn.utils.weight_norm(nn.Linear(8, 8))
+    model, opt = zero.initialize(nn.ModuleDict(dict(positions=positions, fc=fc)), torch.optim.SGD, stage=stage,
+                                 lr=0.1)
+    results = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + dist.get_rank())
+        x = torch.randn(5, 8, generator=g, requires_grad=True)
+        loss = fc(x + positions(5)).square().mean()
+        results += [loss.detach(), torch.autograd.grad(loss, x, retain_graph=True)[0]]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    torch.manual_seed(0)
+    model, opt = zero.initialize(nn.Linear(8, 8).half(), torch.optim.SGD, stage=stage, param_dtype=torch.float16,
+                                 lr=0.1)
+    x = torch.randn(5, 8, dtype=torch.float16, requires_grad=True)
+    results.append(torch.autograd.grad(model(x).float().sum(), x)[0])  # not a backward to scale: no error
+    return results
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage3_returned_parameter_views_weight_norm_hooks_and_input_gradients_match_stage0(world):
+    """A module's output that is a view of its gathered weight leaves as a copy (it was the freed
+    buffer: NaN, or a crash); zero gathers before a pre-hook the module had already (weight_norm's
+    read NaN stand-ins); autograd.grad for an input with fp16 loss scaling is no backward to scale
+    (it raised). Every loss and input gradient equals stage 0's bit for bit."""
+    want = world(2).run(on_rank_stage3_patterns, 0)
+    got = world(2).run(on_rank_stage3_patterns, 3)
+    for w, g in zip(want, got):
+        print("losses", [t.item() for t in g[0:6:2]], "stage 0", [t.item() for t in w[0:6:2]])
+        assert all(torch.equal(a, b) for a, b in zip(g, w))
+
+
 def on_rank_compiled_losses(stage):
     """Losses and final weights of 4 SGD steps, eager and under torch.compile(model), rank 1 0.2 s
     late to each step (so that rank 0's forward finds stages 1-2's all-gathers in flight)."""
@@ -1237,8 +1287,19 @@ def on_rank_bad_inputs():
             m, torch.optim.AdamW, stage=1, param_groups=[{"params": [m.weight]}]))(nn.Linear(2, 2)),
         "already sharded by zero.initialize: keep the model": lambda: zero.initialize(
             zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=3)[0], torch.optim.AdamW, stage=1),
+        "stage3_units holds a ModuleList, .* \\(stage3_units=model.h, not \\[model.h\\]\\)": lambda: (
+            lambda m: zero.initialize(m, torch.optim.AdamW, stage=3, stage3_units=[m]))(
+            nn.ModuleList([nn.Linear(2, 2)])),
+        "create_graph=True .* use stage 2": _gradient_penalty_at_stage3,
     }
     return missed_errors(cases, (TypeError, ValueError, RuntimeError), match=re.search)
+
+
+def _gradient_penalty_at_stage3():
+    model, opt = zero.initialize(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 1)), torch.optim.AdamW,
+                                 stage=3)
+    x = torch.randn(4, 2, requires_grad=True)
+    torch.autograd.grad(model(x).sum(), x, create_graph=True)
 
 
 def _with_int_param():

@@ -47,7 +47,7 @@ from torch.autograd import Variable
 from torch.overrides import TorchFunctionMode
 from torch.utils._foreach_utils import _has_foreach_support
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 # Optimizers whose update of an element reads only that element's parameter, gradient and
 # state: sharding them across ranks gives the same bits as running them whole. (Not so LBFGS,
@@ -889,8 +889,6 @@ class GradientBuckets:
         """The first gradient hook of a backward (stage 3: the first module's pre-backward)."""
         if self.in_backward:
             return
-        if self.require_scaled_backward and not self.scaled_backward:
-            raise RuntimeError("with fp16 loss scaling, call optimizer.backward(loss) instead of loss.backward()")
         if self.finished and not self.stepped:  # it would miss the clip (and stage 0's all-gather)
             raise RuntimeError("backward after optimizer.clip_grad_norm_() in the same step: the clip reduced and "
                                "clipped the gradients so far; call clip_grad_norm_() after the step's last backward, "
@@ -906,6 +904,8 @@ class GradientBuckets:
     def grad_ready(self, p):
         """Post-accumulate-grad hook: p's gradient for this backward is complete."""
         self.begin()
+        if self.require_scaled_backward and not self.scaled_backward:  # (autograd.grad(loss, x) is fine)
+            raise RuntimeError("with fp16 loss scaling, call optimizer.backward(loss) instead of loss.backward()")
         part, i = self.partition, self.partition.index[p]
         if self.used[i]:  # its bucket may be reduced already: the second part would be lost
             raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient twice in one backward: a "
@@ -1022,7 +1022,8 @@ class FlatParameters:
         if gather_after_step:
             for m in module.modules():
                 if next(m.parameters(), None) is not None:  # a module with no parameter below reads none
-                    m.register_forward_pre_hook(lambda mod, args: self._pre_forward(mod))
+                    # prepend: before a pre-hook the module had already (weight_norm's reads the weights)
+                    m.register_forward_pre_hook(lambda mod, args: self._pre_forward(mod), prepend=True)
                     m.register_forward_hook(lambda mod, args, out: self._post_forward(), always_call=True)
                 m.register_state_dict_pre_hook(lambda *args: self.wait())
                 m.named_parameters = types.MethodType(self._after_wait, m)  # parameters() too
@@ -1124,6 +1125,10 @@ def gather_groups(module, units):
     of its own, kept from its first use to the end of the forward, so forward moves Ψ and no
     more. torch's nn.MultiheadAttention reads out_proj's parameters without calling out_proj:
     it is always a unit. Returns (groups, [(module, its group indices)], shared groups)."""
+    containers = [type(u).__name__ for u in units if isinstance(u, (torch.nn.ModuleList, torch.nn.ModuleDict))]
+    if containers:
+        raise ValueError(f"stage3_units holds a {containers[0]}, whose forward never runs, so it cannot be gathered "
+                         f"around one: pass the modules in it (stage3_units=model.h, not [model.h])")
     units = set(units) | {m for m in module.modules() if isinstance(m, torch.nn.MultiheadAttention)}
     inside = {sub for u in units for sub in u.modules() if sub is not u}
     owned = [(m, list(m.parameters(recurse=m in units))) for m in module.modules() if m not in inside]
@@ -1165,8 +1170,9 @@ class ShardedParameters:
         self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, {}
         self.gradients = None  # the GradientBuckets, set by initialize
         for m, gids in hooks:
+            # prepend: gathered before a pre-hook the module had already (weight_norm's computes the weight)
             m.register_forward_pre_hook(lambda mod, args, kwargs, gids=gids: self._pre_forward(gids, args, kwargs),
-                                        with_kwargs=True)
+                                        with_kwargs=True, prepend=True)
             # always_call: also when forward raises, as a recomputation in backward (P_a) does when
             # torch's checkpoint stops it early, so the module's count of users still goes down
             m.register_forward_hook(lambda mod, args, out, gids=gids: self._post_forward(gids, out), always_call=True)
@@ -1325,6 +1331,12 @@ class ShardedParameters:
                 self._free(g)
 
     def _post_forward(self, gids, out):
+        """Returns the module's output, a copy of any of its tensors that is a view of a buffer about
+        to be freed (a positional embedding returning self.weight[:T])."""
+        held = {self.buffers[g].untyped_storage()._cdata for g in gids if self._gathered(g)}
+        if any(isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in held for t in tree_flatten(out)[0]):
+            out = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and
+                           t.untyped_storage()._cdata in held else t, out)
         call = self.calls[id(gids)].pop()
         for g in gids:
             self.refcount[g] -= 1
@@ -1332,6 +1344,7 @@ class ShardedParameters:
             self._release([g for g in gids if g not in self.shared])
         if torch.is_grad_enabled():  # gather again when backward reaches this module
             self._hook_backward(gids, out, call)
+        return out
 
     def _watch_inputs(self, gids, args, kwargs):
         """A frozen parameter has no gradient to say when backward is done with it. Backward is
@@ -1379,6 +1392,10 @@ class ShardedParameters:
                 _when_backward_reaches(t, lambda: self._pre_backward(gids, call))
 
     def _pre_backward(self, gids, call):
+        if torch.is_grad_enabled():  # (the engine enables it only for create_graph=True)
+            raise RuntimeError("stage 3 frees the gathered parameters when backward ends, so a backward with "
+                               "create_graph=True (torch.autograd.grad for a gradient penalty, a Hessian-vector "
+                               "product) would leave a graph that reads freed parameters: use stage 2")
         self.gradients.begin()
         self._gather(gids)
         if call == [False, False]:  # reached (once per call, whatever its number of outputs)
