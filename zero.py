@@ -545,7 +545,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _reduce(self):
         """The step's gradients reduced, and whether any rank's overflowed. Once per step."""
-        if not self.grads_ready:
+        if not self.gradients.finished:
             if self.gradients.stepped:
                 raise RuntimeError("step() has used this step's gradients and freed them: call optimizer.zero_grad() "
                                    "and run the next backward before clip_grad_norm_() or step()")
@@ -555,7 +555,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                    f"gradients and optimizer states for the trainable parameters only: set "
                                    f"requires_grad=True before zero.initialize (freezing later works)")
             self.gradients.finish()
-            self.overflow, self.grads_ready = False, True
+            self.overflow = False
             if self.scaler:  # (reading the flag waits for the device: only with loss scaling)
                 # over the whole buffer holding the reduced chunks: at stage 1 it is the full gradient,
                 # and a gradient that is not finite anywhere makes the sum its owner holds not finite
@@ -585,7 +585,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         "norm rank" (chosen to balance the bytes): each rank sends about Ψ/Nd elements a step, in
         rounds of at most a bucket. With a tp_group, the norm is the whole model's (Megatron's rule):
         the split parameters' norms from every tp rank, the replicated ones once. Returns the total norm."""
-        if self.gradients.micro_batches == 0 and not self.grads_ready:  # no gradient yet: 0, nothing to clip
+        if self.gradients.micro_batches == 0:  # no backward yet: 0, nothing to clip
             return torch.zeros((), dtype=self.weights_dtype, device=self.partition.device)
         self._reduce()
         used = self.gradients.used_anywhere
@@ -744,7 +744,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The step's gradients are used (or dropped): the next step reduces and clips anew."""
         for w in self.weights:
             w.grad = None
-        self.grads_ready, self.clip_coefs = False, []
+        self.gradients.finished, self.clip_coefs = False, []
 
     def zero_grad(self, set_to_none=True):
         if not set_to_none:
@@ -854,7 +854,9 @@ class GradientBuckets:
         for p in self.partition.params:
             p.grad = None
         self.micro_batches, self.used_so_far, self.used_flags = 0, [False] * self.n_trainable, []
-        self.finished, self.stepped = False, False  # set by finish() and by the optimizer's step()
+        # finished: reduced for clip_grad_norm_() or step(), until the step uses them (or zero_grad);
+        # stepped: the step has used them, until zero_grad
+        self.finished, self.stepped = False, False
         self._new_backward()
 
     @property
@@ -889,7 +891,7 @@ class GradientBuckets:
         """The first gradient hook of a backward (stage 3: the first module's pre-backward)."""
         if self.in_backward:
             return
-        if self.finished and not self.stepped:  # it would miss the clip (and stage 0's all-gather)
+        if self.finished:  # it would miss the clip (and stage 0's all-gather)
             raise RuntimeError("backward after optimizer.clip_grad_norm_() in the same step: the clip reduced and "
                                "clipped the gradients so far; call clip_grad_norm_() after the step's last backward, "
                                "just before step()")
