@@ -14,8 +14,10 @@ import time
 import traceback
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing.reduction import ForkingPickler
 
 from ranks import free_port, init_ranks
 
@@ -26,7 +28,14 @@ def _rank_main(rank, nd, port, inbox, outbox):
     while (job := inbox.get()) is not None:
         fn, args = job
         try:
-            outbox.put((rank, True, fn(*args)))
+            result = fn(*args)
+            if torch._C._len_torch_function_stack():  # it would slow down, or fail, every later test here
+                raise RuntimeError(f"{fn.__name__} left a TorchFunctionMode active")
+            try:  # a result that cannot be pickled would be lost in the queue's thread, and the test wait
+                ForkingPickler.dumps(result)
+            except Exception as e:
+                raise TypeError(f"{fn.__name__} returned {result!r}, which cannot be sent back: {e}") from e
+            outbox.put((rank, True, result))
         except BaseException:
             outbox.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()

@@ -6,6 +6,7 @@
 Every function named `on_rank_*` runs on each rank of a live gloo group (conftest.py) and
 returns a list of mismatches, empty when everything agreed.
 """
+import copy
 import dataclasses
 import re
 import shutil
@@ -797,37 +798,80 @@ def on_rank_stage3_parameters_read_outside_forward():
 
 class ReadsChildWeight(nn.Module):
     """Multiplies by its child's weight without calling the child (as nn.MultiheadAttention
-    does with out_proj): at stage 3 the child's parameters are gathered only if the reader is a unit."""
+    does with out_proj): at stage 3 the child's parameters are gathered only if the reader is a
+    unit. from_step: the first step that reads it."""
 
-    def __init__(self):
+    def __init__(self, from_step=0):
         super().__init__()
         self.a, self.child = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        self.from_step, self.step = from_step, 0
 
     def forward(self, x):
-        return self.a(x) @ self.child.weight
+        self.step += 1
+        return self.a(x) @ self.child.weight if self.step > self.from_step else self.a(x)
 
 
-def on_rank_parent_reads_childs_weight(as_unit):
+class ReadsAfterUse(nn.Module):
+    """Reads the embedding's weight after the embedding ran: in a torch function, through .T, in
+    a forward hook registered after zero's; its shape and dtype may be read anywhere."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.emb, self.fc, self.how = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, DIM), how
+        if how == "tied":
+            self.head = nn.Linear(DIM, VOCAB, bias=False)
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        h = self.fc(self.emb(idx))
+        assert self.emb.weight.shape == (VOCAB, DIM) and self.emb.weight.new_zeros(1).dtype == torch.float32
+        if self.how == "linear":
+            return F.linear(h, self.emb.weight)
+        if self.how in ("transpose", "hook", "hook_prepended"):
+            return h @ self.fc.weight.T if self.how == "transpose" else h
+        return self.head(h)
+
+
+def on_rank_weight_read_without_its_module(how):
+    """(the error, or None; whether the outputs equal the plain module's, bit for bit)"""
     torch.manual_seed(0)
-    net, x = ReadsChildWeight(), torch.randn(3, DIM)
-    want = net(x).detach().clone()
-    model, opt = zero.initialize(net, torch.optim.SGD, stage=3, lr=0.1, stage3_units=[net] if as_unit else None)
-    out = model(x)
+    net = ReadsChildWeight(from_step=1 if how == "later" else 0) if how in ("first", "later", "unit") \
+        else ReadsAfterUse(how)
+    plain = copy.deepcopy(net)
+    units = [net] if how == "unit" else None
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=3, lr=0.1, stage3_units=units)
+    x = torch.randn(3, DIM) if isinstance(net, ReadsChildWeight) else torch.arange(6).view(2, 3)
+    for m in (model, plain):
+        if how.startswith("hook"):  # after zero.initialize's own hooks
+            m.fc.register_forward_hook(lambda mod, args, out: out * mod.weight.sum(), prepend=how == "hook_prepended")
     try:
-        out.sum().backward()
+        for step in range(2):
+            out = model(x)
+            out.sum().backward()
+            if not torch.equal(out.detach(), plain(x).detach()):
+                return None, False
+            opt.zero_grad()
     except RuntimeError as e:
-        return out.isnan().all().item(), str(e)
-    return torch.equal(out.detach(), want), None
+        return str(e), out.isnan().all().item() if how == "later" else None
+    return None, True
 
 
 @pytest.mark.xdist_group("world2b")
-def test_stage3_weight_read_without_its_module_is_an_error_at_backward(world):
-    """Not a unit: the forward reads the child's NaN stand-in, and the gradient that reaches it
-    (with the child never gathered) raises naming stage3_units. As a unit: the plain module's bits."""
-    for nan, message in world(2).run(on_rank_parent_reads_childs_weight, False):
-        print(message)
-        assert nan and message and "a parameter of child got a gradient" in message and "stage3_units" in message
-    assert world(2).run(on_rank_parent_reads_childs_weight, True) == [(True, None)] * 2
+def test_stage3_weight_read_without_its_module_is_an_error(world):
+    """A read of a parameter whose module is not running gets no data at stage 3. In the first
+    forward that read raises, naming the fixes; a read that starts after the first forward reads
+    NaN, and the gradient that reaches the never-gathered child raises at backward. Tied as a
+    module's own weight, read inside a unit, or in a hook registered with prepend=True: the plain
+    module's outputs, bit for bit."""
+    for how in ("first", "linear", "transpose", "hook"):
+        for error, _ in world(2).run(on_rank_weight_read_without_its_module, how):
+            print(f"{how}: {error}")
+            assert error and "while no module holding it ran" in error and "prepend=True" in error
+    for error, nan in world(2).run(on_rank_weight_read_without_its_module, "later"):
+        print(f"later: {error}")
+        assert nan and error and "a parameter of child got a gradient" in error and "stage3_units" in error
+    for how in ("unit", "tied", "hook_prepended"):
+        assert world(2).run(on_rank_weight_read_without_its_module, how) == [(None, True)] * 2, how
 
 
 class Recursive(nn.Module):

@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.autograd import Variable
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._foreach_utils import _has_foreach_support
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -77,15 +78,16 @@ def default_bucket_numel(nd):
 def live_storages(device_type="cpu"):
     """{storage id: storage} of every tensor (and .grad) alive on `device_type`, each storage
     once, keyed by the storage itself (data_ptr() is 0 on meta and raises once resize_(0) freed
-    it). A wrapper subclass (DTensor) is skipped: its local tensor is counted instead. Tensors
-    that only C++ holds are not seen."""
+    it). A wrapper subclass (DTensor) is skipped: its local tensor is counted instead; so is a
+    FakeTensor torch.compile left behind, which holds no memory. Tensors that only C++ holds are
+    not seen."""
     gc.collect()
     storages = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # reading .grad of a non-leaf warns
         for obj in gc.get_objects():
             if isinstance(obj, torch.Tensor) and obj.device.type == device_type \
-                    and not is_traceable_wrapper_subclass(obj):
+                    and not is_traceable_wrapper_subclass(obj) and not isinstance(obj, FakeTensor):
                 for t in (obj, obj.grad):
                     if t is not None:
                         storages[t.untyped_storage()._cdata] = t.untyped_storage()
@@ -997,21 +999,21 @@ def _call_weakly(method, *args):
 # step (5.1), stages 1-2 all-gather each bucket's updated chunks in place, left in flight: each
 # module's next forward waits for the buckets that cover the parameters it reads.
 class ParameterReads(TorchFunctionMode):
-    """During the first forward: the modules running (innermost last) and, for each module that
-    ran, the end in the flat space of the farthest parameter its own code read, another module's
-    too (F.embedding(idx, self.head.weight) before self.head runs; nn.MultiheadAttention reads
-    out_proj.weight without calling out_proj)."""
+    """Active during the first forward of the whole module: on_read(module, t, func) for every
+    tensor t a torch function is handed, zero's hooks included (module: the innermost of the
+    `running` modules stages 1-2 keep, or None). Stages 1-2 learn what each module's own code
+    reads, another module's parameters too (F.embedding(idx, self.head.weight) before self.head
+    runs; nn.MultiheadAttention reads out_proj.weight without calling out_proj); stage 3 refuses
+    a read of a freed parameter."""
 
-    def __init__(self, partition):
+    def __init__(self, on_read):
         super().__init__()
-        self.partition, self.running, self.ends = partition, [], {}
+        self.on_read, self.running = on_read, []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        part = self.partition
         for t in tree_flatten((args, kwargs))[0]:
-            if self.running and isinstance(t, torch.nn.Parameter) and t in part.index:
-                m = self.running[-1]
-                self.ends[m] = max(self.ends[m], part.offsets[part.index[t]] + t.numel())
+            if isinstance(t, torch.Tensor):
+                self.on_read(self.running[-1] if self.running else None, t, func)
         return func(*args, **(kwargs or {}))
 
 
@@ -1020,7 +1022,8 @@ class FlatParameters:
         self.partition, self.gather_after_step = partition, gather_after_step
         self.flat = torch.zeros(partition.padded_numel, dtype=dtype, device=partition.device)
         self.in_flight = []  # (flat start, work) of the all-gathers step() left in flight
-        self.reads, self.ends = None, None  # what the first forward read; then each module's wait point
+        self.reads, self.read_ends = None, {}  # in the first forward: how far each module's code read
+        self.ends = None  # then: each module's wait point
         if gather_after_step:
             for m in module.modules():
                 if next(m.parameters(), None) is not None:  # a module with no parameter below reads none
@@ -1029,6 +1032,8 @@ class FlatParameters:
                     m.register_forward_hook(lambda mod, args, out: self._post_forward(), always_call=True)
                 m.register_state_dict_pre_hook(lambda *args: self.wait())
                 m.named_parameters = types.MethodType(self._after_wait, m)  # parameters() too
+            # the first forward of the whole module (not of a part called on its own) learns the reads
+            module.register_forward_pre_hook(lambda mod, args: self._start_reading(), prepend=True)
             module.register_forward_hook(lambda mod, args, out: self._learn_ends(), always_call=True)
 
     def _after_wait(self, module, *args, **kwargs):
@@ -1038,16 +1043,25 @@ class FlatParameters:
         self.wait()
         return type(module).named_parameters(module, *args, **kwargs)
 
+    def _start_reading(self):
+        if self.ends is None and self.reads is None:
+            self.wait()  # the first forward waits for everything and learns what each module reads
+            self.reads = ParameterReads(self._read)
+            self.reads.__enter__()
+
     def _pre_forward(self, m):
         if self.ends is not None:  # (a module that did not run in the first forward waits for all)
             self.wait(self.ends.get(m, math.inf))
-            return
-        self.wait()  # the first forward waits for everything and learns what each module reads
-        if self.reads is None:
-            self.reads = ParameterReads(self.partition)
-            self.reads.__enter__()
-        self.reads.running.append(m)
-        self.reads.ends.setdefault(m, 0)
+        elif self.reads is not None:
+            self.reads.running.append(m)
+            self.read_ends.setdefault(m, 0)
+        else:  # a part of the module called on its own before the first forward
+            self.wait()
+
+    def _read(self, m, t, func):
+        part = self.partition
+        if m is not None and isinstance(t, torch.nn.Parameter) and t in part.index:
+            self.read_ends[m] = max(self.read_ends[m], part.offsets[part.index[t]] + t.numel())
 
     def _post_forward(self):
         if self.ends is None and self.reads is not None:
@@ -1060,7 +1074,8 @@ class FlatParameters:
         if self.ends is not None or self.reads is None:
             return
         self.reads.__exit__(None, None, None)
-        part, ran = self.partition, self.reads.ends
+        self.reads = None
+        part, ran = self.partition, self.read_ends
 
         def end(m):
             own = [part.offsets[part.index[p]] + p.numel() for p in m.parameters(recurse=False)]
@@ -1170,6 +1185,7 @@ class ShardedParameters:
         self.prefetch_numel = prefetch * max(sum(partition.buckets[k].chunk for k in ks) * partition.nd
                                              for ks in self.group_buckets)  # see _prefetch
         self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, {}
+        self.reads, self.stand_ins = None, set()  # the first forward's check; the stand-ins' storages
         self.gradients = None  # the GradientBuckets, set by initialize
         for m, gids in hooks:
             # prepend: gathered before a pre-hook the module had already (weight_norm's computes the weight)
@@ -1181,6 +1197,8 @@ class ShardedParameters:
         for m in module.modules():  # a module inside a unit too: its parameters are freed with the unit's
             m.register_state_dict_pre_hook(self._refuse_state_dict)
         module.register_forward_hook(lambda mod, args, out: self._end_forward())
+        module.register_forward_pre_hook(lambda mod, args: self._start_reading(), prepend=True)
+        module.register_forward_hook(lambda mod, args, out: self._stop_reading(), always_call=True)
 
     def load(self, k, values):
         chunk = self.partition.buckets[k].chunk
@@ -1200,6 +1218,7 @@ class ShardedParameters:
             for p in members:
                 a = part.offsets[part.index[p]] - (part.buckets[ks[0]].start if ks else 0)
                 stand_in = (nan.clone() if p.numel() == 1 else nan).expand(p.shape)
+                self.stand_ins.add(stand_in.untyped_storage()._cdata)
                 views.append((p, buf[a:a + p.numel()].view(p.shape), stand_in))
             self.buffers.append(buf)
             self.views.append(views)
@@ -1308,6 +1327,31 @@ class ShardedParameters:
         while k is not None and budget > 0 and 0 <= k + step < len(self.unit_order):
             k += step
             budget -= self._gather(self.unit_order[k], prefetch=True)
+
+    def _read(self, m, t, func):
+        """In the first forward, a read of a freed parameter's values is an error, not NaN: a
+        module reading another's weight after that one ran (logits = h @ self.emb.weight.T), a
+        forward hook registered after zero's, which freed the weights already. Its shape, dtype
+        or device may be read."""
+        if t.untyped_storage()._cdata in self.stand_ins and func.__name__ not in _METADATA:
+            what = f"a parameter of {self.names[self.group_of[t]]}" if t in self.group_of else "a freed parameter"
+            raise RuntimeError(f"stage 3: {what} {tuple(t.shape)} was read ({func.__name__}) while no module "
+                               f"holding it ran, so it has no data here: stage 3 gathers a parameter only while "
+                               f"its module runs. Read it through a module that holds it (a tied head: "
+                               f"self.head.weight = self.emb.weight, then self.head(h)), make a module around "
+                               f"both a unit (stage3_units=[...]), or register a forward hook that reads it with "
+                               f"prepend=True")
+
+    def _start_reading(self):
+        if not self.order_known and self.reads is None:
+            self.reads = ParameterReads(self._read)
+            self.reads.__enter__()
+
+    def _stop_reading(self):
+        """The first forward's check ends with it, also when it raised (then the next one checks)."""
+        if self.reads is not None:
+            self.reads.__exit__(None, None, None)
+            self.reads = None
 
     def _end_forward(self):
         """Free what no module holds: the shared groups, and groups prefetched for a module
@@ -1442,6 +1486,12 @@ class ShardedParameters:
     def on_backward_end(self):
         self.after_step()  # free every group, prefetched ones included
         self._new_backward()
+
+
+# what code may do with a freed parameter: read or set its metadata, make a new tensor like it
+_METADATA = {"__get__", "__set__", "__hash__", "untyped_storage", "size", "numel", "dim", "stride", "element_size",
+             "is_floating_point", "is_complex", "is_contiguous", "requires_grad_", "detach", "new_empty",
+             "new_zeros", "new_ones", "new_full", "empty_like", "zeros_like", "ones_like", "full_like"}
 
 
 def _holds_tensors(obj):
