@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.autograd import Variable
+from torch.autograd.graph import get_gradient_edge
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._foreach_utils import _has_foreach_support
@@ -875,7 +876,7 @@ class GradientBuckets:
         self.pending = [len(b.segments) for b in self.partition.buckets]  # gradients still to come, per bucket
         self.temporary, self.in_reduction = {}, []  # in_reduction: reductions not yet finished
         self.next = len(self.order) - 1
-        self.in_backward = False
+        self.in_backward, self.for_params = False, True  # (True: step() without a backward reduces zeros)
 
     def _bucket(self, k):
         """Where bucket k's gradients are written: the full gradient in the first backward of a
@@ -889,10 +890,17 @@ class GradientBuckets:
             self.temporary[k][b.numel:].zero_()
         return self.temporary[k]
 
-    def begin(self):
-        """The first gradient hook of a backward (stage 3: the first module's pre-backward)."""
-        if self.in_backward:
+    def begin(self, for_params=True):
+        """At a backward's first gradient hook (stage 3: its first module's pre-backward), and at
+        each parameter's gradient. A backward in which no parameter's gradient accumulates
+        (stage 3's autograd.grad(loss, x) for an input: for_params=False) reduces nothing and is
+        no micro-batch, as with DDP."""
+        if not self.in_backward:
+            Variable._execution_engine.queue_callback(self._finish_backward)
+            self.in_backward, self.for_params = True, False
+        if not for_params or self.for_params:
             return
+        self.for_params = True  # (also when a gradient comes after all, as from a reentrant checkpoint's backward)
         if self.finished:  # it would miss the clip (and stage 0's all-gather)
             raise RuntimeError("backward after optimizer.clip_grad_norm_() in the same step: the clip reduced and "
                                "clipped the gradients so far; call clip_grad_norm_() after the step's last backward, "
@@ -902,8 +910,6 @@ class GradientBuckets:
                                f"optimizer.zero_grad() (or model.zero_grad()): zero the gradients after each step "
                                f"(also before another model's loss backpropagates through this one, as a GAN's "
                                f"generator loss through its discriminator)")
-        Variable._execution_engine.queue_callback(self._finish_backward)
-        self.in_backward = True
 
     def grad_ready(self, p):
         """Post-accumulate-grad hook: p's gradient for this backward is complete."""
@@ -942,6 +948,10 @@ class GradientBuckets:
 
     def _finish_backward(self):
         """End of backward: reduce what is left, agree on which parameters were used."""
+        if not self.for_params:
+            self.on_backward_end()
+            self._new_backward()
+            return
         part = self.partition
         for i in range(self.n_trainable):
             if not self.used[i]:  # unused on this rank: it contributes zeros, as in DDP
@@ -1442,7 +1452,9 @@ class ShardedParameters:
             raise RuntimeError("stage 3 frees the gathered parameters when backward ends, so a backward with "
                                "create_graph=True (torch.autograd.grad for a gradient penalty, a Hessian-vector "
                                "product) would leave a graph that reads freed parameters: use stage 2")
-        self.gradients.begin()
+        if not self.gradients.in_backward:  # does it accumulate gradients (not autograd.grad(loss, x))?
+            trainable = [p for p in self.partition.params[:self.gradients.n_trainable] if p.requires_grad]
+            self.gradients.begin(any(torch._C._will_engine_execute_node(get_gradient_edge(p).node) for p in trainable))
         self._gather(gids)
         if call == [False, False]:  # reached (once per call, whatever its number of outputs)
             call[0] = True
