@@ -1343,14 +1343,15 @@ class ShardedParameters:
         module reading another's weight after that one ran (logits = h @ self.emb.weight.T), a
         forward hook registered after zero's, which freed the weights already. Its shape, dtype
         or device may be read."""
-        if t.untyped_storage()._cdata in self.stand_ins and func.__name__ not in _METADATA:
-            what = f"a parameter of {self.names[self.group_of[t]]}" if t in self.group_of else "a freed parameter"
-            raise RuntimeError(f"stage 3: {what} {tuple(t.shape)} was read ({func.__name__}) while no module "
-                               f"holding it ran, so it has no data here: stage 3 gathers a parameter only while "
-                               f"its module runs. Read it through a module that holds it (a tied head: "
-                               f"self.head.weight = self.emb.weight, then self.head(h)), make a module around "
-                               f"both a unit (stage3_units=[...]), or register a forward hook that reads it with "
-                               f"prepend=True")
+        name = getattr(func, "__name__", repr(func))
+        if t.untyped_storage()._cdata not in self.stand_ins or name in _METADATA:
+            return
+        what = f"a parameter of {self.names[self.group_of[t]]}" if t in self.group_of else "a freed parameter"
+        raise RuntimeError(f"stage 3: {what} {tuple(t.shape)} was read ({name}) while no module holding it "
+                           f"ran, so it has no data here: stage 3 gathers a parameter only while its module runs. "
+                           f"Read it through a module that holds it (a tied head: self.head.weight = "
+                           f"self.emb.weight, then self.head(h)), make a module around both a unit "
+                           f"(stage3_units=[...]), or register a forward hook that reads it with prepend=True")
 
     def _start_reading(self):
         if not self.order_known and self.reads is None:
