@@ -189,7 +189,13 @@ def serve_rank(system, args, inboxes, outbox):
     # this step's batch. After backward that is the model states (parameters, gradients, AdamW's
     # exp_avg, exp_avg_sq and step; besides them only the scalar loss); after forward, plus activations.
     x, y = get_batch(gen, args)
-    live = lambda: zero.live_tensor_bytes() - baseline - x.numel() * x.element_size() - y.numel() * y.element_size()
+
+    def live():
+        # a finished collective's buffers live on until gloo's worker thread lets go of them (under
+        # load, past backward's end); gloo's barrier first waits for every earlier collective
+        dist.barrier()
+        return zero.live_tensor_bytes() - baseline - x.numel() * x.element_size() - y.numel() * y.element_size()
+
     # Section 7: bytes handed to each torch.distributed collective (memory_table's ring convention)
     with memory_table.CommCounter() as counter:
         loss = model(x, y)[1]
