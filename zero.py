@@ -28,6 +28,7 @@ import functools
 import gc
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
@@ -1454,8 +1455,9 @@ class ShardedParameters:
                                "create_graph=True (torch.autograd.grad for a gradient penalty, a Hessian-vector "
                                "product) would leave a graph that reads freed parameters: use stage 2")
         if not self.gradients.in_backward:  # does it accumulate gradients (not autograd.grad(loss, x))?
-            trainable = [p for p in self.partition.params[:self.gradients.n_trainable] if p.requires_grad]
-            self.gradients.begin(any(torch._C._will_engine_execute_node(get_gradient_edge(p).node) for p in trainable))
+            trainable = itertools.islice(self.partition.params, self.gradients.n_trainable)  # (any() stops early)
+            self.gradients.begin(any(torch._C._will_engine_execute_node(get_gradient_edge(p).node)
+                                     for p in trainable if p.requires_grad))
         self._gather(gids)
         if call == [False, False]:  # reached (once per call, whatever its number of outputs)
             call[0] = True
