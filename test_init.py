@@ -265,3 +265,48 @@ def test_tied_weight_keeps_its_first_modules_init_when_the_second_module_has_its
     storage, freed once its bucket is copied out, is never written."""
     expected = {"emb.weight": [1.0], "mid.weight": [2.0], "mid.bias": [2.0], "head.weight": [1.0], "head.bias": [3.0]}
     assert world(2).run(on_rank_tied_weight_in_a_module_with_its_own_bias, stage, bucket_numel) == [expected] * 2
+
+
+class SharedMask(nn.Module):
+    """Two layers holding one mask buffer (made once, handed to both), as a causal mask shared by
+    every block is."""
+
+    def __init__(self):
+        super().__init__()
+        mask = torch.arange(6.0).lt(4).float()  # (6,): 1 1 1 1 0 0
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        for layer in (self.a, self.b):
+            layer.register_buffer("mask", mask)
+
+    def forward(self, x):
+        return self.b(self.a(x) * self.a.mask) * self.b.mask
+
+
+def on_rank_shared_buffer(stage):
+    """Buffers and one step's weights, built whole and on meta: (names, one tensor?, state)."""
+    result = []
+    for meta in (False, True):
+        torch.manual_seed(0)
+        with torch.device("meta" if meta else "cpu"):
+            module = SharedMask()
+
+        def init_fn(m):
+            m.reset_parameters()
+            m.mask.copy_(torch.arange(6.0).lt(4).float())
+
+        model, opt = zero.initialize(module, torch.optim.SGD, stage=stage, lr=0.1, init_fn=init_fn if meta else None)
+        model(torch.ones(2, 6)).sum().backward()
+        opt.step()
+        result.append(([n for n, _ in model.named_buffers()], model.a.mask is model.b.mask, zero.full_state_dict(model)))
+    return result
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_buffer_shared_by_two_modules_stays_one_tensor_from_meta(world, stage):
+    """On meta the shared buffer is made once, as the whole build holds it (not one tensor per
+    module: twice the memory, and an in-place update to one not seen by the other)."""
+    for (names, one, state), (meta_names, meta_one, meta_state) in world(2).run(on_rank_shared_buffer, stage):
+        print(names, one, meta_names, meta_one)
+        assert (meta_names, meta_one) == (names, one) == (["a.mask"], True)
+        assert state.keys() == meta_state.keys() and all(torch.equal(state[k], meta_state[k]) for k in state)

@@ -362,13 +362,18 @@ class MetaInit:
             real.__dict__.update(p.__dict__)  # attributes such as gpt.py's tensor-parallel marks
             real.untyped_storage().resize_(0)
             torch.utils.swap_tensors(p, real)
-        self.materialized, self.created = set(), set()  # created: the buffers made here, for init_fn to fill
+        # created: each buffer made here -> the first module holding it, whose init_fn must fill it
+        # (a buffer held by several modules, a shared mask, stays one tensor)
+        self.materialized, self.created, made = set(), {}, {}
         for m in module.modules():  # buffers are small and every rank keeps them whole
-            on_meta = [name for name, b in m.named_buffers(recurse=False) if b.is_meta]  # (a real one stays)
-            for name in on_meta:
-                setattr(m, name, torch.empty_like(getattr(m, name), device=device))
-                self.created.add(getattr(m, name))
-            if on_meta and not any(self.owner[p] is m for p in m.parameters(recurse=False)):
+            on_meta = [(name, b) for name, b in m.named_buffers(recurse=False) if b.is_meta]  # (a real one stays)
+            for name, b in on_meta:
+                if b not in made:
+                    made[b] = torch.empty_like(b, device=device)
+                    self.created[made[b]] = m
+                setattr(m, name, made[b])
+            fills = any(self.created[made[b]] is m for name, b in on_meta)
+            if fills and not any(self.owner[p] is m for p in m.parameters(recurse=False)):
                 self._materialize(m)  # else init_fn fills them with its parameters, bucket by bucket
 
     def values(self, k):
@@ -401,7 +406,7 @@ class MetaInit:
                 scratch.__dict__.update(p.__dict__)
                 setattr(m, name, scratch)
         mine = [(name, t) for name, t in m.named_parameters(recurse=False) if name not in shared]
-        mine += [(name, t) for name, t in m.named_buffers(recurse=False) if t in self.created]
+        mine += [(name, t) for name, t in m.named_buffers(recurse=False) if self.created.get(t) is m]
         mine = [(name, t) for name, t in mine if not t.is_meta]  # (meta: no values to check)
         with torch.no_grad():
             for name, t in mine:  # what init_fn leaves unset keeps this value, and is caught below
