@@ -1,17 +1,14 @@
 """
 gpt.py -- the GPT-2 decoder that zero trains, with Megatron-style tensor parallelism.
 
-ZeRO (Rajbhandari et al. 2020) partitions the model states of data parallelism (ZeRO-DP) and
-runs alongside model parallelism (MP): the paper's largest models combine ZeRO-DP with
-Megatron-LM's tensor slicing (Shoeybi et al. 2019). This file is that model: a GPT-2 (pre-LN
-blocks, causal attention, 4x GELU MLP, learned positions, embedding tied to the output layer,
-no dropout) whose linear layers split over a `tp_group`. With tp_group=None it is a plain
-one-process model and needs no process group at all.
+ZeRO (Rajbhandari et al. 2020) runs ZeRO-DP alongside model parallelism (MP): the paper's
+largest models combine it with Megatron-LM's tensor slicing (Shoeybi et al. 2019). This is that
+model: a GPT-2 (pre-LN blocks, causal attention, 4x GELU MLP, learned positions, embedding tied
+to the output layer, no dropout) whose linear layers split over a `tp_group`; with
+tp_group=None it is a plain one-process model that needs no process group.
 
-A model at tp=T starts from exactly the weights of the tp=1 model with the same seed: every
-full weight is drawn from a generator seeded by the seed and its name, then each rank keeps its
-slice. A model built on the meta device gets the same weights from init_weights, one module at
-a time (zero.initialize(model, ..., init_fn=model.init_weights) does that, shard by shard).
+At every tp, and built whole or on the meta device (init_weights, one module at a time, as
+zero.initialize's init_fn), the model starts from the tp=1 model's weights for the same seed.
 
     from gpt import GPT, PRESETS, num_params, make_mesh
     model = GPT(PRESETS["tiny"], seed=0)                  # one process, tp = 1
@@ -64,12 +61,8 @@ PRESETS = {
 
 
 def num_params(config, tp_size=1):
-    """Parameters held by one tp rank, by arithmetic; tp_size=1 gives the paper's psi.
-
-    The tied embedding counts once. Under tensor parallelism the embedding and the QKV, attention
-    out, MLP up and MLP down weights split over tp; LayerNorms, positions and the biases of the
-    two RowParallelLinears are replicated on every tp rank.
-    """
+    """Parameters held by one tp rank, by arithmetic; tp_size=1 gives the paper's psi (the tied
+    embedding counted once)."""
     C, L, V, T, b = config.n_embd, config.n_layer, config.vocab_size, config.block_size, int(config.bias)
     ln = (1 + b) * C                                          # a LayerNorm: weight (+ bias)
     split = V * C + L * (12 * C * C + b * (3 * C + 4 * C))    # wte; 4 weights; qkv and MLP-up biases
@@ -78,11 +71,8 @@ def num_params(config, tp_size=1):
 
 
 def make_mesh(dp, tp, device_type="cpu"):
-    """A (dp, tp) mesh over the initialised world: returns (dp_group, tp_group).
-
-    tp is the inner dimension, so a tp group is tp consecutive ranks (Megatron's layout): at
-    dp=2, tp=2 the tp groups are {0, 1} and {2, 3}, the dp groups {0, 2} and {1, 3}.
-    """
+    """(dp_group, tp_group) of a (dp, tp) mesh; tp groups are consecutive ranks (Megatron's
+    layout): at dp=2, tp=2 the tp groups are {0, 1} and {2, 3}, the dp groups {0, 2} and {1, 3}."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
     return mesh["dp"].get_group(), mesh["tp"].get_group()
@@ -171,10 +161,8 @@ def _mark_split(param, dim, stride=1):
 @torch.no_grad()
 def load_full_(param, full, tp_group=None):
     """Copy this rank's slice of a full tp=1 tensor into param (a replicated param takes it whole).
-
     A stride s > 1 means full is s blocks stacked along partition_dim, e.g. [q; k; v]: the rank
-    keeps its 1/tp of every block, [q_r; k_r; v_r], so it holds whole heads of q, k and v.
-    """
+    keeps 1/tp of each block, [q_r; k_r; v_r], so it holds whole heads of q, k and v."""
     if getattr(param, "tensor_model_parallel", False):
         tp_size, tp_rank, dim = *_tp(tp_group), param.partition_dim
         blocks = full.chunk(param.partition_stride, dim)                          # (3C, C) -> 3 x (C, C)
@@ -187,7 +175,6 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features, out_features, tp_group=None, bias=True, stride=1, device=None):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features   # full (tp=1) sizes
         self.tp_group, (self.tp_size, _) = tp_group, _tp(tp_group)
         _check_divisible("out_features" if stride == 1 else f"out_features/{stride}", out_features // stride,
                          self.tp_size)
@@ -207,7 +194,6 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features, out_features, tp_group=None, bias=True, device=None):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features   # full (tp=1) sizes
         self.tp_group, (self.tp_size, _) = tp_group, _tp(tp_group)
         _check_divisible("in_features", in_features, self.tp_size)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size, device=device))
@@ -255,11 +241,9 @@ def _all_reduce(t, op, group):
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross entropy from logits split over the vocabulary; never gathers (N, V).
-
     loss_i = log sum_v exp(z_iv - m_i) - (z_it - m_i), m_i = max_v z_iv, with the max, the sum
     of exponentials and the target logit each one all-reduce of a (N,) vector over tp ranks.
-    A target outside this rank's slice (or -1, ignored) picks nothing here.
-    """
+    A target outside this rank's slice (or -1, ignored) picks nothing here."""
 
     @staticmethod
     def forward(ctx, logits, target, vocab_start, group):
@@ -344,7 +328,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, config, tp_group=None, seed=0, device=None):
         super().__init__()
-        self.config, self.tp_group = config, tp_group
+        self.config, self.tp_group, self.seed = config, tp_group, seed
         self.tp_size = _tp(tp_group)[0]
         if config.n_embd % config.n_head:
             raise ValueError(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}: "
@@ -355,17 +339,14 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(config.block_size, C, device=device)                      # replicated
         self.h = nn.ModuleList(Block(config, tp_group, device) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(C, bias=config.bias, device=device)
-        # the output layer is wte itself (logits = f(h) @ wte.weight^T, vocab-parallel): one
-        # Parameter, counted once. It is a module of its own so that ZeRO stage 3, which gathers a
-        # module's parameters around its forward, sees the tied weight used here too.
+        # the output layer is wte itself (logits = f(h) @ wte.weight^T, vocab-parallel), a module of its
+        # own so that stage 3, which gathers a module's parameters around its forward, sees it used here
         self.lm_head = ColumnParallelLinear(C, config.vocab_size, tp_group, bias=False, device=device)
         self.lm_head.weight = self.wte.weight                                             # (V/tp, C)
-        self.seed = seed
         # a parameter's name (a tied weight: its first) by (id of its module, attribute): not by the
         # parameter's id, since to_empty or a wrapper (FSDP2's fully_shard) replaces parameters and a
         # new one can reuse a freed one's id; nor the parameters themselves, which would stay alive
-        first = {}
-        self.names = {}
+        first, self.names = {}, {}
         for mname, m in self.named_modules():
             for pname, p in m.named_parameters(recurse=False):
                 self.names[id(m), pname] = first.setdefault(id(p), f"{mname}.{pname}" if mname else pname)
@@ -374,11 +355,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, module):
-        """GPT-2's init of `module`'s own parameters (not its children's). Each is drawn full-size
-        (tp=1) on the CPU from a generator seeded by the model's seed and the parameter's name,
-        then this rank keeps its slice: the same values at every tp, and whether the model is
-        built whole or on the meta device and initialised one module at a time (zero.initialize's
-        init_fn). Meta parameters are left alone."""
+        """GPT-2's init of `module`'s own parameters (not its children's): each drawn full-size (tp=1)
+        on the CPU from a generator seeded by the model's seed and the parameter's name, then sliced
+        to this rank, so the values are the same at every tp and built whole or one module at a time."""
         proj_std = 0.02 / math.sqrt(2 * self.config.n_layer)  # GPT-2: residual projections scaled down
         for pname, param in module.named_parameters(recurse=False):
             name = self.names[id(module), pname]
@@ -395,12 +374,9 @@ class GPT(nn.Module):
             load_full_(param, torch.empty(shape).normal_(0.0, std, generator=gen), self.tp_group)
 
     def forward(self, idx, targets=None):
-        """idx: (B, T) token ids. Returns (logits, loss).
-
-        With targets (B, T) (-1 = ignore): loss is the mean cross entropy; logits are (B, T, V) at
-        tp=1 and this rank's slice (B, T, V/tp) at tp > 1. Without targets: loss is None and
-        logits are the full (B, 1, V) for the last position, gathered over tp (for generate).
-        """
+        """idx: (B, T) token ids -> (logits, loss). With targets (B, T) (-1 = ignore): the mean cross
+        entropy, and logits (B, T, V/tp), this rank's slice. Without: loss None, and the full
+        (B, 1, V) logits of the last position, gathered over tp (for generate)."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length T={T} exceeds block_size={self.config.block_size}: "
@@ -428,11 +404,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Append max_new_tokens to idx (B, T): greedy at temperature=0, else sampled.
-
-        Every tp rank sees the same gathered logits; at tp > 1 tp rank 0 draws each sampled token
-        and the others take it, so the tp ranks feed back one token whatever their random state.
-        """
+        """Append max_new_tokens to idx (B, T): greedy at temperature=0, else sampled. At tp > 1 tp
+        rank 0 draws each token and the others take it, whatever their random state."""
         if temperature < 0:
             raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
         if top_k is not None and top_k < 1:

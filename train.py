@@ -106,15 +106,9 @@ def setup_distributed():
 
 
 def load_corpus(path):
-    """Bytes of a text file, or code only from the standard library's .py files in sorted order.
-
-    The default corpus: the .py files (tests, idlelib, lib2to3 and two packages that are tables
-    and prose rather than code, the codecs' encodings and pydoc's topics, left out), each passed
-    through `strip_source`: no comments or docstrings, continuation lines in brackets re-indented
-    to the statement's indentation plus one level, and every line of code indented with one tab
-    per 4 spaces (one byte per level). About 4.7 MB on Python 3.11. A file given with --data is
-    read as it is. main() calls this on rank 0 and sends the bytes to the other ranks.
-    """
+    """The bytes of --data as they are, or by default the standard library's .py files in sorted
+    order, each through strip_source (about 4.7 MB on Python 3.11). Left out: tests, idlelib,
+    lib2to3, and the codecs' encodings and pydoc's topics, which are tables and prose, not code."""
     if path is not None:
         return pathlib.Path(path).read_bytes()
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -197,10 +191,9 @@ def lr_at(step, args):
 
 
 def data_stream(seed, dp_rank, dp, step=0, saved=None):
-    """This dp rank's batch generator: its own stream from the seed; on resume the saved position
-    of its stream. A checkpoint saved at another dp size holds other ranks' streams (rank r would
-    get saved rank r % dp's and repeat another rank's batches), so each rank draws a fresh stream
-    of its own, seeded by the step it resumes at."""
+    """This dp rank's batch generator: its own stream from the seed, or on resume its saved position.
+    Saved at another dp size, the streams are other ranks' (rank r would get saved rank r % dp's and
+    repeat its batches), so each rank draws a fresh stream of its own, seeded by the step."""
     gen = torch.Generator()
     if saved is None:
         return gen.manual_seed(seed * 1000 + dp_rank)
@@ -210,8 +203,7 @@ def data_stream(seed, dp_rank, dp, step=0, saved=None):
 
 
 def checkpoint_part(path, tp, tp_rank):
-    """Where this rank's tp slice is saved: at tp > 1 each slice of the model is a zero checkpoint
-    of its own, over its dp group, in path/tp{tp_rank}."""
+    """Where this rank's tp slice is saved: at tp > 1 each slice is a checkpoint of its own, in path/tp{tp_rank}."""
     return pathlib.Path(path) / f"tp{tp_rank}" if tp > 1 else pathlib.Path(path)
 
 
@@ -244,8 +236,7 @@ def latest_checkpoint(save_dir, tp):
 
 
 def checkpoint_dir(args, step):
-    """Where the checkpoint made after `step` goes: every --save_every steps and at the end
-    (None: no checkpoint then)."""
+    """Where the checkpoint made after `step` goes (every --save_every steps and at the end), or None."""
     if args.save_dir and (step == args.steps - 1 or args.save_every and (step + 1) % args.save_every == 0):
         return pathlib.Path(args.save_dir) / f"step_{step + 1:06d}"
     return None
@@ -369,12 +360,10 @@ def main(argv=None):
             log(f"memory at step {step} ({'CUDA allocator' if device.type == 'cuda' else 'live tensors'}): "
                 f"activations kept at the end of forward {memory.kept_by_forward() / 1e6:.2f} MB/rank "
                 f"(checkpointing: {args.checkpoint}) | peak {(memory.peak() - baseline) / 1e6:.2f} MB/rank")
-        mean_loss = step_loss.clone()
-        dist.all_reduce(mean_loss, group=dp_group)  # the loss of the whole batch, over dp ranks
-        mean_loss = mean_loss.item() / dp
-        history.append(dict(step=step, loss=mean_loss, ms=ms, tokens_per_s=tokens_per_step / ms * 1000,
-                            model_state_mb=state_mb, peak_mb=peak))
-        log(f"step {step:4d} | loss {mean_loss:.4f} | {ms:7.1f} ms | {tokens_per_step / ms * 1000:8.0f} tok/s | "
+        dist.all_reduce(step_loss, group=dp_group)  # the loss of the whole batch, over dp ranks
+        mean_loss, tok_s = step_loss.item() / dp, tokens_per_step / ms * 1000
+        history.append(dict(step=step, loss=mean_loss, ms=ms, tokens_per_s=tok_s, model_state_mb=state_mb, peak_mb=peak))
+        log(f"step {step:4d} | loss {mean_loss:.4f} | {ms:7.1f} ms | {tok_s:8.0f} tok/s | "
             f"model states {state_mb:6.2f} MB/rank | peak " + ("     -" if peak is None else f"{peak:6.2f}") + " MB/rank"
             + (" (measured: slower step)" if measure and device.type == "cpu" else "")
             + ("" if stepped else f" | overflow: step skipped, loss scale now {optimizer.loss_scale:g}"))
@@ -396,8 +385,7 @@ def main(argv=None):
     sample = None
     if not diverged:
         prompt = torch.tensor([list(b"def ")], device=device)
-        out = model.generate(prompt, 200, temperature=0.7, top_k=50,
-                             generator=torch.Generator().manual_seed(args.seed))
+        out = model.generate(prompt, 200, temperature=0.7, top_k=50, generator=torch.Generator().manual_seed(args.seed))
         sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
         log("-" * 40 + " sample " + "-" * 40 + "\n" + sample.expandtabs(4) + "\n" + "-" * 88)  # tabs as 4 spaces
     if args.out and rank == 0:
@@ -413,9 +401,8 @@ def main(argv=None):
 
 @torch.no_grad()
 def save(path, args, tp_group, model, optimizer, **extra):
-    """This rank's tp slice into path (a collective over its dp group). At tp > 1 each slice is
-    saved over a dp group of its own, so the tp ranks then compare: one slice's failure is every
-    rank's error."""
+    """This rank's tp slice into path, a collective over its dp group; at tp > 1 the tp ranks then
+    compare, so one slice's failure is every rank's error."""
     error = None
     try:
         zero.save_checkpoint(checkpoint_part(path, args.tp, dist.get_rank(tp_group)), model, optimizer, **extra)
