@@ -75,7 +75,6 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (2 ranks x 1 on 2 cores: fastest)")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON object instead of the table")
     args = p.parse_args(argv)
     if args.nodes is not None:
@@ -88,7 +87,7 @@ def parse_args(argv=None):
         p.error("--link needs --nodes N")
     if args.world is None:
         args.world = 2
-    for name in ("world", "steps", "warmup", "repeats", "launches", "batch_size", "seq_len", "threads"):
+    for name in ("world", "steps", "warmup", "repeats", "launches", "batch_size", "seq_len"):
         least = 0 if name == "warmup" else 1
         if getattr(args, name) < least:
             p.error(f"--{name} must be at least {least} (got {getattr(args, name)})")
@@ -156,7 +155,7 @@ def get_batch(gen, args):
 def serve_rank(system, args, inboxes, outbox):
     """On each rank of the system's process group: build, warm up, then run what the inbox says:
     "turn" (a lead-in step, --steps timed steps, report), or "probe" (one step, measured, return)."""
-    torch.set_num_threads(args.threads)  # 2 ranks x 2 threads on 2 cores ran 1.5-1.8x slower
+    # one torch thread a rank (ranks.init_ranks; 2 ranks x 2 threads on 2 cores ran 1.5-1.8x slower)
     rank = dist.get_rank()
     if hasattr(os, "sched_setaffinity"):  # rank r on core r (mod cores): steadier than letting ranks migrate
         cores = sorted(os.sched_getaffinity(0))
@@ -191,9 +190,7 @@ def serve_rank(system, args, inboxes, outbox):
     x, y = get_batch(gen, args)
 
     def live():
-        # a finished collective's buffers live on until gloo's worker thread lets go of them (under
-        # load, past backward's end); gloo's barrier first waits for every earlier collective
-        dist.barrier()
+        dist.barrier()  # gloo may free a finished collective's buffers late: its barrier waits for all earlier ones
         return zero.live_tensor_bytes() - baseline - x.numel() * x.element_size() - y.numel() * y.element_size()
 
     # Section 7: bytes handed to each torch.distributed collective (memory_table's ring convention)
@@ -260,8 +257,7 @@ CLONE_NEWNET = 0x40000000  # <sched.h>: setns into a network namespace
 
 
 def nodes_problem():
-    """Why emulated nodes cannot be made here, in a few words; None: they can (a namespace was
-    made and deleted to find out)."""
+    """Why emulated nodes cannot be made here, in a few words; None: a namespace was made and deleted."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "not root"
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
@@ -274,19 +270,29 @@ def nodes_problem():
 
 
 class Nodes:
-    """n emulated nodes with links capped at rate, made at once; remove() deletes all of them
-    (also what a failed construction left, and at exit whatever is still there). One set serves
-    every system and the clock; past the warm-up only one of them runs at a time (drive)."""
+    """with Nodes(n, rate) as nodes: n emulated nodes with links capped at rate, made on entering
+    and deleted on leaving, whatever happens: an error, Ctrl-C, SIGTERM or SIGHUP (made to raise
+    SystemExit meanwhile). One set serves every system and the clock; past the warm-up only one of
+    them runs at a time (drive)."""
 
     def __init__(self, n, rate):
         prefix = f"zb{os.getpid()}"
         self.names, self.bridge = [f"{prefix}-{r}" for r in range(n)], f"{prefix}-br"
         self.addrs = [f"{SUBNET}.{r + 1}" for r in range(n)]
+        self.rate, self.handlers = rate, {}
         self.made = []  # namespaces to delete: each is listed before it is made
-        atexit.register(self.remove)  # the last resort, should a second Ctrl-C cut a removal short
         # Store ports: only this run's ranks listen in these namespaces, so counting up gives a free
         # port each time (below the ephemeral range, where gloo's own sockets go)
         self.ports = itertools.count(29500)
+
+    def __enter__(self):
+        problem = nodes_problem()
+        if problem:
+            sys.exit(f"{NEEDS} ({problem})")
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                self.handlers[sig] = signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+        atexit.register(self.remove)  # the last resort, should a second Ctrl-C cut a removal short
         try:
             for ns in [self.bridge] + self.names:
                 self.made.append(ns)
@@ -303,10 +309,19 @@ class Nodes:
                 self._cmd("ip", "-n", ns, "link", "set", f"veth{r}", "up")
                 for where, dev in ((ns, f"veth{r}"), (self.bridge, f"port{r}")):  # node's upload, its download
                     self._cmd("tc", "-n", where, "qdisc", "add", "dev", dev, "root",
-                              "tbf", "rate", rate, "burst", "256kb", "latency", "100ms")
-        except BaseException:
-            self.remove()
+                              "tbf", "rate", self.rate, "burst", "256kb", "latency", "100ms")
+        except BaseException as e:
+            self.__exit__()
+            if isinstance(e, RuntimeError):  # an ip or tc command failed (_cmd)
+                sys.exit(f"cannot make {len(self.names)} emulated nodes: {e}")
             raise
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+        atexit.unregister(self.remove)
+        for sig, handler in self.handlers.items():
+            signal.signal(sig, handler)
 
     @staticmethod
     def _cmd(*cmd):
@@ -319,52 +334,22 @@ class Nodes:
             subprocess.run(["ip", "netns", "del", self.made.pop()], capture_output=True)
 
     def placement(self):
-        """ranks.run_on_ranks's options for a process group on the nodes: rank r in node r,
-        talking over veth<r>, rank 0's store on a new port (queues are pipes: they work across
-        namespaces)."""
+        """ranks.run_on_ranks's options: rank r in node r, talking over veth<r>, rank 0's store on a
+        new port (queues are pipes: they work across namespaces)."""
         return dict(master=self.addrs[0], port=next(self.ports),
                     setups=[functools.partial(enter_namespace, name) for name in self.names],
                     envs=[dict(GLOO_SOCKET_IFNAME=f"veth{r}") for r in range(len(self.names))])
 
 
 def enter_namespace(name):
-    """Move this process into the network namespace `name`; before any socket opens, and
-    threads started after this inherit it."""
+    """Move this process into the network namespace `name` before any socket opens; threads it
+    starts from then on inherit it."""
     fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
     try:
         if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:  # Python 3.11 has no os.setns
             raise OSError(ctypes.get_errno(), f"setns into {name}: {os.strerror(ctypes.get_errno())}")
     finally:
         os.close(fd)
-
-
-@contextlib.contextmanager
-def emulated_nodes(args):
-    """The nodes for --nodes (None without it), deleted on the way out: on return, an error,
-    Ctrl-C, SIGTERM or SIGHUP (made to raise SystemExit here)."""
-    if not args.nodes:
-        yield None
-        return
-    problem = nodes_problem()
-    if problem:
-        sys.exit(f"{NEEDS} ({problem})")
-    handlers = {}
-    if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            handlers[sig] = signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
-    nodes = None
-    try:
-        try:
-            nodes = Nodes(args.nodes, args.link)
-        except RuntimeError as e:
-            sys.exit(f"cannot make {args.nodes} emulated nodes: {e}")
-        yield nodes
-    finally:
-        if nodes is not None:
-            nodes.remove()
-            atexit.unregister(nodes.remove)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
 
 
 # ---------------------------------------------------------------------------
@@ -394,7 +379,7 @@ def summarize(system, launches, args, psi):
     ms, ms_lo, ms_hi = spread(rounds)
     return dict(system=system, label=label, ms=ms, ms_lo=ms_lo, ms_hi=ms_hi, rounds=rounds, vs_clock=vs_clock,
                 model_states=max(r["model_states"] for r in per_rank), formula_name=FORMULA[stage],
-                formula=memory_table.model_state_bytes(psi, args.world, stage, K=8, param_bytes=4, grad_bytes=4),
+                formula=sum(memory_table.dtype_terms(psi, args.world, stage, "fp32")),
                 peak=max(r["peak"] for r in per_rank),
                 # DeepSpeed calls its collectives through deepspeed.comm: wrapping torch.distributed
                 # sees only part of them (measured: ZeRO-1/2 the gradient all-reduce only, ZeRO-3 none)
@@ -417,7 +402,7 @@ def table(rows, args, psi, notes):
               f"{r['loss']:.6f}"] for r in rows]
     headers = ["system", "ms/step [spread]", "vs DDP", "states MB", "Section 5 MB", "ratio", "peak MB",
                "sent MB", "Section 7 MB", "sent by collective, MB", "final loss"]
-    legend = [f"world {args.world} (gloo, CPU, {args.threads} thread/rank, pinned) | {args.model}: Ψ = {psi / 1e6:.2f}M | "
+    legend = [f"world {args.world} (gloo, CPU, 1 thread/rank, pinned) | {args.model}: Ψ = {psi / 1e6:.2f}M | "
               f"batch {args.batch_size} x {args.seq_len} per rank | {args.launches} launch(es), each {args.warmup} "
               f"warm-up steps, then {args.repeats} round(s) of one turn per system: a lead-in step, {args.steps} timed",
               "ms/step: median over the rounds [interquartile range]; vs DDP: per round, the system's time over the "
@@ -476,7 +461,8 @@ def main(argv=None):
     # Every launch starts every system afresh: one process group can run a few percent faster or
     # slower than an identical one for as long as it lives, so the rounds of several launches are pooled.
     launches = []
-    with emulated_nodes(args) as nodes:  # --nodes: made here, deleted on the way out, whatever happens
+    # --nodes: made here, deleted on the way out, whatever happens
+    with Nodes(args.nodes, args.link) if args.nodes else contextlib.nullcontext() as nodes:
         for launch in range(args.launches):
             try:
                 launches.append(drive(args, launch, nodes))

@@ -71,19 +71,14 @@ def model_state_bytes(psi, nd, stage, K=12, param_bytes=2, grad_bytes=2):
 
 
 def dtype_terms(psi, nd, stage, dtype):
-    """model_state_terms for a DTYPES key: fp32 4 + 4 bytes and K = 8 (momentum, variance), bf16
-    2 + 2 and K = 12 (fp32 master, momentum, variance)."""
+    """model_state_terms with a DTYPES key's bytes and K."""
     _, param_bytes, grad_bytes, K = DTYPES[dtype]
     return model_state_terms(psi, nd, stage, K, param_bytes, grad_bytes)
 
 
 def agrees(ours, published_text):
-    """Does our number agree with a published cell, as printed?
-
-    The cell has d decimals; ours agrees if rounding it to d decimals (half up) or truncating it
-    to d decimals gives the cell (the paper truncates some: 4187.5 -> 4187, 513.5 -> 513). A B or
-    T suffix ("7.6B", "0.5T") means ours is a parameter count, divided by 1e9 or 1e12 first.
-    """
+    """Does our number agree with a published cell, by AGREEMENT_RULE? A B or T suffix ("7.6B",
+    "0.5T") means ours is a parameter count, divided by 1e9 or 1e12 first."""
     text = published_text.strip()
     scale = {"B": 1e9, "T": 1e12}.get(text[-1:], 1)
     number = Decimal(text.rstrip("BT"))
@@ -211,9 +206,8 @@ SIMULATED = [("7.5b", "7.5B", 64), ("128b", "128B", 256), ("1t", "1T", 1024)]
 
 
 class PeakNewBytes(TorchDispatchMode):
-    """with PeakNewBytes() as m: ... -> m.peak: the most bytes held at once, after any op inside,
-    by the storages the ops inside made (one none of the op's inputs has: an in-place op or a view
-    makes none), each counted until it is freed."""
+    """with PeakNewBytes() as m: ... -> m.peak: the most bytes held at once by the storages the ops
+    inside made (an in-place op or a view makes none), each counted until it is freed."""
 
     def __init__(self):
         super().__init__()
@@ -231,10 +225,9 @@ class PeakNewBytes(TorchDispatchMode):
 
 
 def simulate(preset, nd, stage, rank):
-    """zero.py at `stage` for a meta GPT, as `rank` of a fake world of nd, default buckets:
-    (Ψ, model-state bytes after backward, the CommCounter of one training step, the most bytes its
-    clip_grad_norm_ and step() held at once in tensors they made). AdamW with foreach=True, a GPU's
-    default."""
+    """zero.py at `stage` for a meta GPT, as `rank` of a fake world of nd, default buckets, AdamW
+    with foreach=True as on a GPU: (Ψ, model-state bytes after backward, the CommCounter of one
+    training step, PeakNewBytes of its clip_grad_norm_ and step())."""
     from torch.testing._internal.distributed.fake_pg import FakeStore   # registers the "fake" backend
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=nd)
     before = zero.live_tensor_bytes("meta")  # what an earlier simulation may have left, not yet collected
@@ -329,8 +322,7 @@ def _storage(t):
 
 
 def _zero_storages(optimizer):
-    """The ids of zero.py's own parameter and gradient storages: what a collective is handed
-    without a temporary copy."""
+    """Ids of zero.py's own parameter and gradient storages: a collective's buffers, not copies."""
     return [_storage(t) for t in optimizer.parameters.storages() + optimizer.gradients.storages()]
 
 
@@ -382,8 +374,8 @@ def measure_on_rank(stage, dtype_name, preset, batch_size=4, seq_len=64):
             snapshot = {s: _bytes(st).clone() for s, st in zero.live_storages(device.type).items() if s not in before}
         optimizer.backward(loss)
         del loss
-        # a finished collective's buffers live on until gloo's worker thread lets go of them (under
-        # load, past backward's end); the barrier waits for every earlier collective on every rank
+        # gloo's worker thread can hold a finished collective's buffers past backward's end: a
+        # barrier waits for every earlier collective on every rank
         dist.barrier()
         if step == 1 and device.type == "cuda":  # beyond what was there, the input and the snapshot
             extra = idx.untyped_storage().nbytes() + sum(c.untyped_storage().nbytes() for c in snapshot.values())
@@ -454,12 +446,11 @@ def measure_section(args):
 # ---------------------------------------------------------------------------
 
 class CommCounter:
-    """with CommCounter() as c: ... -> c.sent[(phase, collective)]: elements this rank sends under
-    the convention above (Fractions), c.bytes[...] the same in bytes, c.received[...] the elements
-    it receives (what it sends, but for all_to_all: what the others send it); c.largest: bytes of
-    the largest tensor handed to any collective whose storage is not in `persistent` (storage
-    ids: the temporaries), c.largest_numel: the most elements of one. Wraps dist.<name> for every
-    name in SENT; torch's own nested calls go to distributed_c10d, so none is counted twice."""
+    """with CommCounter() as c: ... -> c.sent[(phase, collective)]: elements this rank sends
+    (Fractions), c.bytes[...] the same in bytes, c.received[...] the elements it receives;
+    c.largest, c.largest_numel: bytes and elements of the largest tensor handed to a collective
+    whose storage id is not in `persistent` (a temporary). Wraps dist.<name> for every name in
+    SENT; torch's own nested calls go to distributed_c10d, so none is counted twice."""
     SENT = {  # collective: (its tensor argument, elements sent by rank r of n for a tensor t)
         "all_to_all_single": ("input", lambda a, t, n, r: sum(a["input_split_sizes"]) - a["input_split_sizes"][r]
                               if a["input_split_sizes"] else Fraction(n - 1, n) * t.numel()),
@@ -573,11 +564,9 @@ def _warm_up(setting, dtype):
 
 def train_under_cap(setting, stage, n_layer):
     """On this rank: cap the address space, build the model, train two steps as train.py does.
-    Returns psi and, in bytes above the rank's address space before the model: peak (VmPeak),
-    init_peak (VmPeak when zero.initialize returns), steady (before the second forward: the model
-    states as held), activations (what the second forward added) and largest_temporary (C_B: the
-    largest tensor handed to a collective in the second step that is not zero.py's own storage).
-    Raises MemoryError("did not fit ...") when an allocation fails under the cap."""
+    Returns psi and FIT_NOTE's bytes (peak, init_peak, steady = held, activations,
+    largest_temporary = C_B) above the address space before the model. Raises
+    MemoryError("did not fit ...") when an allocation fails under the cap."""
     signal.alarm(ALARM_S)
     # glibc: one malloc arena for every thread (each would reserve 64 MB of address space), and
     # a fixed mmap threshold, so that every tensor that matters is a mapping unmapped when freed
@@ -656,11 +645,10 @@ def try_fit(setting, stage, n_layer):
 
 
 def largest_fit(fits, start, guess):
-    """The largest n >= 1 with fits(n) and the smallest n without: (largest or 0, smallest); fits
-    must hold up to some n and fail above it. From `start`; after a fit, next is guess(lo) (the
-    largest n that should fit) if it lies between the largest known fit and the smallest known
-    failure, or lo + 1 if it says lo; otherwise steps of 1, 2, 4, ... up from a fit or down from
-    a failure, then bisection. Every n is tried at most once."""
+    """(the largest n >= 1 with fits(n) or 0, the smallest n without), fits holding up to some n
+    and failing above it. From `start`; after a fit, to guess(lo) (the largest n that should fit)
+    if it lies between the known fit and failure, or lo + 1 if it says lo; otherwise steps of 1,
+    2, 4, ... then bisection. Every n is tried at most once."""
     lo, hi, step, n = 0, math.inf, 1, max(1, start)
     while hi - lo > 1:
         if n > 1024:
@@ -684,8 +672,7 @@ def largest_fit(fits, start, guess):
 
 
 def family_psi(family, n_layer):
-    """Ψ of the family with n_layer blocks. Ψ is linear in n_layer, so a real n_layer gives a Ψ
-    between two models'."""
+    """Ψ of the family with n_layer blocks, linear in n_layer (a real n_layer: between two models)."""
     psi0 = num_params(fit_config(family, 0))   # embeddings, positions, ln_f
     return psi0 + n_layer * (num_params(fit_config(family, 1)) - psi0)
 
@@ -705,8 +692,7 @@ def _n_layer_of(family, psi):
 
 
 def _line(points):
-    """Least-squares (intercept, slope) through (n_layer, bytes); through 0 if only one n_layer;
-    (0, 0) if none."""
+    """Least-squares (intercept, slope) through (n_layer, bytes): through 0 for one n_layer, (0, 0) for none."""
     if not points:
         return 0, 0
     xs, ys = zip(*points)
@@ -717,8 +703,9 @@ def _line(points):
 
 
 def fit_stage(setting, stage, start):
-    """Search one stage: (largest n_layer that fits, smallest that does not, {n_layer: try})."""
-    tries = {}
+    """Search one stage from n_layer `start`: (its row, {n_layer: try}). The row's bytes are the
+    rank holding the most at the fit."""
+    t0, tries = time.perf_counter(), {}
 
     def fits(n_layer):
         t0 = time.perf_counter()
@@ -744,7 +731,16 @@ def fit_stage(setting, stage, start):
         return lo + math.floor((setting.budget - p1) / per_block) if per_block > 0 else None
 
     n_layer, fails_at = largest_fit(fits, start, guess)
-    return n_layer, fails_at, tries
+    fit = max(tries[n_layer]["ranks"], key=lambda r: r["peak"]) if n_layer else {}
+    failure = tries[fails_at]["failure"]
+    row = dict(dataclasses.asdict(setting), stage=stage, name=STAGES[stage], n_layer=n_layer,
+               psi=round(family_psi(setting.family, n_layer)) if n_layer else 0, fails_at=fails_at,
+               failure=failure, fails_in=re.search(r" in (.+?) at n_layer", failure)[1],
+               **{k: fit.get(k) for k in ("peak", "init_peak", "steady", "activations")},
+               largest_temporary=fit.get("largest_temporary", 0),
+               tries=[{k: t[k] for k in ("n_layer", "fits", "seconds")} for t in tries.values()],
+               seconds=time.perf_counter() - t0)
+    return row, tries
 
 
 def fit_section(args):
@@ -755,7 +751,6 @@ def fit_section(args):
                              batch_size=args.batch_size, seq_len=args.seq_len, bucket_numel=args.bucket_numel)
         kept = []   # (n_layer, activation bytes) of every try that trained, any stage: the rank holding the most
         for stage in (0, 1, 2, 3):
-            t0 = time.perf_counter()
             if stage == 0:   # half Section 5's largest model (which counts nothing else): its peak guides the next
                 start = _n_layer_of(setting.family, predicted_psi(setting, 0) / 2)
             else:   # Section 5 plus the residuals seen so far, as far short as the stage before fell
@@ -763,9 +758,9 @@ def fit_section(args):
                 residuals = dict(activations=_line(kept), temporary=last["largest_temporary"])
                 start = _n_layer_of(setting.family, predicted_psi(setting, stage, **residuals) * last["psi"] /
                                     predicted_psi(setting, stage - 1, **residuals))
-            n_layer, fails_at, tries = fit_stage(setting, stage, start)
+            row, tries = fit_stage(setting, stage, start)
             kept += [(n, max(r["activations"] for r in t["ranks"])) for n, t in tries.items() if t["fits"]]
-            rows.append(_fit_row(setting, stage, n_layer, fails_at, tries, time.perf_counter() - t0))
+            rows.append(row)
         for r in rows[-4:]:   # the formula's largest model for the budget: Section 5 alone (as the
             # paper's 7.6B), and Section 5 plus every activation measured for this dtype and C_B
             for key, residuals in (("formula", {}), ("predicted", dict(activations=_line(kept),
@@ -776,18 +771,6 @@ def fit_section(args):
     heading = (f"Table 2, measured: the largest model per stage that trains under a real {args.budget:g} MB cap "
                f"per rank, Nd = {args.nd}")
     return {"fit": dict(heading=heading, rows=rows, text=fit_text(rows, time.perf_counter() - t_start))}
-
-
-def _fit_row(setting, stage, n_layer, fails_at, tries, seconds):
-    """One stage's result; the bytes are the rank holding the most at the fit."""
-    fit = max(tries[n_layer]["ranks"], key=lambda r: r["peak"]) if n_layer else {}
-    failure = tries[fails_at]["failure"]
-    return dict(dataclasses.asdict(setting), stage=stage, name=STAGES[stage], n_layer=n_layer,
-                psi=round(family_psi(setting.family, n_layer)) if n_layer else 0, fails_at=fails_at,
-                failure=failure, fails_in=re.search(r" in (.+?) at n_layer", failure)[1],
-                **{k: fit.get(k) for k in ("peak", "init_peak", "steady", "activations")},
-                largest_temporary=fit.get("largest_temporary", 0),
-                tries=[{k: t[k] for k in ("n_layer", "fits", "seconds")} for t in tries.values()], seconds=seconds)
 
 
 FIT_NOTE = """\
