@@ -190,8 +190,8 @@ def serve_rank(system, args, inboxes, outbox):
     x, y = get_batch(gen, args)
 
     def live():
-        dist.barrier()  # gloo may free a finished collective's buffers late: its barrier waits for all earlier ones
-        return zero.live_tensor_bytes() - baseline - x.numel() * x.element_size() - y.numel() * y.element_size()
+        dist.barrier()
+        return ranks.settled(lambda: zero.live_tensor_bytes() - baseline - x.nbytes - y.nbytes)
 
     # Section 7: bytes handed to each torch.distributed collective (memory_table's ring convention)
     with memory_table.CommCounter() as counter:

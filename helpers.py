@@ -2,8 +2,6 @@
 beside torch's DDP and compare the results bit for bit. Functions here run on spawned ranks
 (conftest.py), which find them by module name: keep this file importable from the repository root.
 """
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -104,19 +102,3 @@ def missed_errors(cases, errors, match=lambda pattern, text: pattern in text):
             if not match(pattern, str(e)):
                 missed.append(f"{pattern!r} not in {e}")
     return missed
-
-
-def settled(measure, readings=3, interval=0.05, timeout=5.0):
-    """measure() once it reads the same `readings` times in a row, `interval` s apart (at most
-    `timeout` s). gloo marks a collective complete before its worker thread lets go of the work,
-    and with it of the work's buffers (an all-to-all's receive buffer: one bucket); on a loaded
-    machine that thread can run after a barrier returns (seen: one 10-20 KB bucket counted with
-    the model's states). A buffer that stays is counted: only ones on their way out are waited for."""
-    deadline, last, same = time.monotonic() + timeout, None, 0
-    while True:
-        now = measure()
-        same = same + 1 if now == last else 1
-        if same == readings or time.monotonic() > deadline:
-            return now
-        last = now
-        time.sleep(interval)

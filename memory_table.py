@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 import train
 import zero
 from gpt import GPT, PRESETS, num_params
-from ranks import run_on_ranks
+from ranks import run_on_ranks, settled
 
 STAGES = ["baseline", "P_os", "P_os+g", "P_os+g+p"]   # stage 0 (plain DP), 1, 2, 3
 GB = 1e9                                              # bytes; the paper's GB
@@ -374,9 +374,7 @@ def measure_on_rank(stage, dtype_name, preset, batch_size=4, seq_len=64):
             snapshot = {s: _bytes(st).clone() for s, st in zero.live_storages(device.type).items() if s not in before}
         optimizer.backward(loss)
         del loss
-        # gloo's worker thread can hold a finished collective's buffers past backward's end: a
-        # barrier waits for every earlier collective on every rank
-        dist.barrier()
+        dist.barrier()  # every rank's collectives done (their buffers let go: settled, below)
         if step == 1 and device.type == "cuda":  # beyond what was there, the input and the snapshot
             extra = idx.untyped_storage().nbytes() + sum(c.untyped_storage().nbytes() for c in snapshot.values())
             allocated = torch.cuda.memory_allocated(device) - allocated - extra
@@ -384,6 +382,7 @@ def measure_on_rank(stage, dtype_name, preset, batch_size=4, seq_len=64):
             optimizer.step()          # the optimizer states exist from here on
             optimizer.zero_grad()
     copies = {_storage(c) for c in snapshot.values()}
+    settled(lambda: sum(st.nbytes() for s, st in zero.live_storages(device.type).items() if s not in before))
     new = {s: st for s, st in zero.live_storages(device.type).items() if s not in before and s not in copies}
     split = split_model_states(new, snapshot, dtype)
     activations = memory.kept_by_forward()

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero
-from helpers import VOCAB, compare, make_model, pairwise_hook, pairwise_sum, settled, usage
+from helpers import VOCAB, compare, make_model, pairwise_hook, pairwise_sum, usage
+from ranks import settled
 
 STEPS, MICRO, MAX_NORM = 5, 4, 0.05  # MAX_NORM: below every step's gradient norm, so clipping acts
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero
-from helpers import DIM, VOCAB, compare, make_model, missed_errors, pairwise_hook, settled, usage
+from helpers import DIM, VOCAB, compare, make_model, missed_errors, pairwise_hook, usage
+from ranks import settled
 
 STEPS = 6
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),

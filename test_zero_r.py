@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import zero
 from gpt import GPT, GPTConfig, make_mesh
 from helpers import pairwise_sum
+from ranks import settled
 
 CONFIG = GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=4, n_embd=32)
 B, T = 3, 16
@@ -71,8 +72,8 @@ def on_rank_activation_bytes_after_forward(mode):
     x, y = batch(0, dp_group)
     before = zero.live_storages()
     loss = model(x, y)[1]
-    after = zero.live_storages()  # what forward keeps for backward
-    kept = sum(s.nbytes() for ptr, s in after.items() if ptr not in before)
+    dist.barrier(group=tp_group)  # what forward keeps for backward, once its all-reduces let go
+    kept = settled(lambda: sum(s.nbytes() for ptr, s in zero.live_storages().items() if ptr not in before))
     loss.backward()
     return kept
 
