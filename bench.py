@@ -98,7 +98,8 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------------
-# The systems: each gives (model, backward, step) for the same GPT and the same AdamW.
+# The systems: each gives (model, backward, step, settle) for the same GPT and the same AdamW;
+# settle() waits for what a step leaves in flight (zero.py stages 1-2: the parameters' all-gather).
 # ---------------------------------------------------------------------------
 def build(system, args):
     model = GPT(PRESETS[args.model], seed=SEED)  # the same weights on every rank, for every system
@@ -116,7 +117,7 @@ def build(system, args):
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **adamw) \
             if system == "zero_optimizer" else torch.optim.AdamW(model.parameters(), **adamw)
         # set_to_none=False keeps p.grad on the buckets, so every memory sample sees them
-        return ddp, torch.Tensor.backward, lambda: (opt.step(), opt.zero_grad(set_to_none=False))
+        return ddp, torch.Tensor.backward, lambda: (opt.step(), opt.zero_grad(set_to_none=False)), lambda: None
     if system == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -125,7 +126,7 @@ def build(system, args):
             fully_shard(block, mesh=mesh)  # per block: an all-gather in forward and in backward, a reduce-scatter
         fully_shard(model, mesh=mesh)      # the root (embeddings, ln_f, tied output): kept whole until backward
         opt = torch.optim.AdamW(model.parameters(), **adamw)
-        return model, torch.Tensor.backward, lambda: (opt.step(), opt.zero_grad())
+        return model, torch.Tensor.backward, lambda: (opt.step(), opt.zero_grad()), lambda: None
     if system.startswith("deepspeed"):    # only when importable (see main); ran here with DeepSpeed 0.19.8
         os.environ["DS_ACCELERATOR"] = "cpu"
         import deepspeed
@@ -137,9 +138,9 @@ def build(system, args):
                                                       # not to (GRADIENT_CLIPPING_DEFAULT); no other system clips
                                                       "gradient_clipping": 0.0,
                                                       "zero_optimization": {"stage": int(system[-1])}})
-        return engine, engine.backward, engine.step  # engine.step also zeroes the gradients
+        return engine, engine.backward, engine.step, lambda: None  # engine.step also zeroes the gradients
     model, opt = zero.initialize(model, torch.optim.AdamW, stage=int(system[-1]), stage3_units=model.h, **adamw)
-    return model, torch.Tensor.backward, lambda: (opt.step(), opt.zero_grad())
+    return model, torch.Tensor.backward, lambda: (opt.step(), opt.zero_grad()), opt.wait_params
 
 
 def get_batch(gen, args):
@@ -162,7 +163,7 @@ def serve_rank(system, args, inboxes, outbox):
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
     gen = torch.Generator().manual_seed(SEED * 1000 + rank)  # each rank its own batches, every system
     baseline = zero.live_tensor_bytes()  # before the model: what torch and the process group hold already
-    model, backward, step = build(system, args)
+    model, backward, step, settle = build(system, args)
 
     def train_step():
         x, y = get_batch(gen, args)
@@ -180,8 +181,7 @@ def serve_rank(system, args, inboxes, outbox):
         for _ in range(args.steps):
             train_step()
         ms = (time.perf_counter() - t0) * 1000 / args.steps
-        if hasattr(model, "_zero"):  # zero.py stages 1-2: the last step's gather lands before the
-            model._zero.wait_params()  # next turn, untimed (no overlap with another system's turn)
+        settle()  # untimed: nothing of this turn overlaps another system's
         outbox.put((rank, ms))
 
     # One more step, untimed and probed: each sample is the live tensors less the baseline and
