@@ -1257,25 +1257,64 @@ def test_stage3_output_it_cannot_see_into_names_the_fix(world):
     for message in world(2).run(on_rank_unflattened_output):
         assert message and "returned an instance of Out" in message and "register_dataclass" in message, message
 
-def on_rank_evaluation_after_training(stage):
-    torch.manual_seed(0)
-    model, opt = zero.initialize(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)), torch.optim.SGD,
-                                 stage=stage, lr=0.1)
-    for step in range(2):  # each rank's own batch: its running statistics move its own way
-        model(torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))).sum().backward()
+class WithStats(nn.Module):
+    """BatchNorm's running statistics, and a buffer each rank builds differently (rank 0's wins)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.bn, self.c = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)
+        self.register_buffer("offset", torch.randn(1, generator=torch.Generator().manual_seed(dist.get_rank())))
+
+    def forward(self, x):
+        return self.c(self.bn(self.a(x))) + self.offset
+
+
+def on_rank_buffers_through_evaluation_and_recalibration(system, stage):
+    """Each step: an evaluation (the very first forward is one), a BatchNorm recalibration (a
+    no-grad forward in train mode on this rank's batch), then a training step with the statistics
+    frozen (eval mode, as when fine-tuning), which reads the recalibrated ones."""
+    if system == "ddp":
+        model = DDP(WithStats())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        model, opt = zero.initialize(WithStats(), torch.optim.SGD, stage=stage, lr=0.1)
+    outputs = []
+    for step in range(3):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        model.eval()
+        with torch.no_grad():
+            outputs.append(model(torch.ones(2, 4)))
+            model.train()
+            model(x + 1)
+        model.eval()
+        loss = model(x).sum()
+        loss.backward()
         opt.step()
         opt.zero_grad()
-    model.eval()
-    with torch.no_grad():
-        return model(torch.ones(2, 4))
+        outputs.append(loss.detach())
+    if system == "zero":
+        return outputs, zero.full_state_dict(model)
+    state = {k: v.clone() for k, v in model.module.state_dict().items()}
+    for k, v in model.module.named_buffers():  # as the next forward sees them: rank 0's (full_state_dict's)
+        dist.broadcast(state[k], src=0)
+    return outputs, state
 
 
 @pytest.mark.xdist_group("world2")
-@pytest.mark.parametrize("stage", [1, 3])
-def test_evaluation_after_training_sees_rank_0s_buffers_as_with_ddp(world, stage):
-    """DDP broadcasts the buffers at a training forward and at the first forward after one."""
-    out = world(2).run(on_rank_evaluation_after_training, stage)
-    assert torch.equal(out[0], out[1]), f"eval outputs differ between ranks: {out}"
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_buffers_follow_rank_0_by_ddps_rule(world, stage):
+    """DDP broadcasts rank 0's buffers when it is built and before every forward that follows
+    one with gradients: an evaluation after training sees rank 0's running statistics; a
+    no-grad forward's own statistics are used by the next forward as they are. Outputs,
+    losses, weights and buffers torch.equal to DDP's on every rank."""
+    ddp = world(2).run(on_rank_buffers_through_evaluation_and_recalibration, "ddp", stage)
+    got = world(2).run(on_rank_buffers_through_evaluation_and_recalibration, "zero", stage)
+    for rank, ((want_out, want_state), (out, state)) in enumerate(zip(ddp, got)):
+        differ = [i for i, (a, b) in enumerate(zip(want_out, out)) if not torch.equal(a, b)]
+        differ += [k for k in want_state if not torch.equal(want_state[k].float(), state[k])]
+        print(f"rank {rank}: differ from DDP {differ}")
+        assert differ == []
 
 
 # -----------------------------------------------------------------------------------------

@@ -1523,10 +1523,12 @@ def _holds_tensors(obj):
 
 
 # -----------------------------------------------------------------------------------------
-# Buffers follow rank 0 as in DDP (broadcast_buffers=True): at every training forward, and at
-# the first forward after one, so an evaluation after training sees rank 0's running statistics.
+# Buffers follow rank 0 by DDP's rule (broadcast_buffers=True): at initialize, and before every
+# forward that follows one with gradients on. So an evaluation after training sees rank 0's
+# running statistics, and statistics each rank recomputed in a no-grad forward (a BatchNorm
+# recalibration) are what the next forward uses.
 def _broadcast_buffers(buffers, group, after_training, module, args):
-    if torch.is_grad_enabled() or after_training[0]:
+    if after_training[0]:
         for b in buffers:
             dist.broadcast(b, group_src=0, group=group)
     after_training[0] = torch.is_grad_enabled()
@@ -1687,7 +1689,9 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
             b.data = b.data.to(precision.param_dtype)
     buffers = list(module.buffers())
     if buffers and partition.nd > 1:
-        module.register_forward_pre_hook(functools.partial(_broadcast_buffers, buffers, group, [False]))
+        for b in buffers:  # rank 0's from the start, as DDP's constructor does
+            dist.broadcast(b, group_src=0, group=group)
+        module.register_forward_pre_hook(functools.partial(_broadcast_buffers, buffers, group, [True]))
     for m in module.modules():  # loading around zero would miss the fp32 master and stage 3's shard
         m.register_load_state_dict_pre_hook(_refuse_load_state_dict)
         m._apply = functools.partial(_refuse_conversion, m)  # module.to(), .half(), .cuda(): see there
