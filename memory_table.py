@@ -704,7 +704,7 @@ def _line(points):
 def fit_stage(setting, stage, start):
     """Search one stage from n_layer `start`: (its row, {n_layer: try}). The row's bytes are the
     rank holding the most at the fit."""
-    t0, tries = time.perf_counter(), {}
+    started, tries = time.perf_counter(), {}
 
     def fits(n_layer):
         t0 = time.perf_counter()
@@ -738,7 +738,7 @@ def fit_stage(setting, stage, start):
                **{k: fit.get(k) for k in ("peak", "init_peak", "steady", "activations")},
                largest_temporary=fit.get("largest_temporary", 0),
                tries=[{k: t[k] for k in ("n_layer", "fits", "seconds")} for t in tries.values()],
-               seconds=time.perf_counter() - t0)
+               seconds=time.perf_counter() - started)
     return row, tries
 
 

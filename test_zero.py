@@ -1296,7 +1296,7 @@ def on_rank_buffers_through_evaluation_and_recalibration(system, stage):
     if system == "zero":
         return outputs, zero.full_state_dict(model)
     state = {k: v.clone() for k, v in model.module.state_dict().items()}
-    for k, v in model.module.named_buffers():  # as the next forward sees them: rank 0's (full_state_dict's)
+    for k, _ in model.module.named_buffers():  # as the next forward sees them: rank 0's (full_state_dict's)
         dist.broadcast(state[k], src=0)
     return outputs, state
 
