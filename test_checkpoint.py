@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import helpers
 import zero
-from gpt import GPT, GPTConfig
+from gpt import GPT, GPTConfig, make_mesh
 
 CONFIG = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 
@@ -413,6 +413,30 @@ def test_a_directory_that_is_not_a_checkpoint_is_refused(world, tmp_path):
     for where, why in [("empty", "no manifest.json"), ("nowhere", "does not exist")]:
         for error, changed in world(2).run(on_rank_load_refused, str(tmp_path / where), {"stage": 1}):
             assert why in error and changed == []
+
+
+def on_rank_load_another_tp_slice(path):
+    """dp 1 x tp 2: each tp rank saves its slice of the model as a checkpoint of its own. The
+    slices have the same names and shapes, so only the manifest can tell tp 1's from tp 0's."""
+    dp_group, tp_group = make_mesh(dp=1, tp=2)
+    tp = dist.get_rank(tp_group)
+    module = GPT(CONFIG, tp_group=tp_group, seed=1)
+    model, opt = zero.initialize(module, torch.optim.AdamW, stage=1, group=dp_group, tp_group=tp_group, lr=1e-2)
+    zero.save_checkpoint(f"{path}/tp{tp}", model, opt)
+    dist.barrier()  # both slices saved (each over a dp group of its own)
+    before = full_state(model)
+    try:
+        zero.load_checkpoint(f"{path}/tp{1 - tp}", model, opt)  # the other tp rank's slice
+        return "no error", differences(before, full_state(model))
+    except zero.CheckpointError as e:
+        return str(e), differences(before, full_state(model))
+
+
+@pytest.mark.xdist_group("world2")
+def test_another_tensor_parallel_slice_is_refused(world, tmp_path):
+    for tp, (error, changed) in enumerate(world(2).run(on_rank_load_another_tp_slice, str(tmp_path / "ckpt"))):
+        assert f"another tensor-parallel slice: saved by tp rank {1 - tp} of 2, this is tp rank {tp}" in error, error
+        assert changed == [], changed
 
 
 class WithBuffers(torch.nn.Module):

@@ -2012,7 +2012,13 @@ def _layout(opt, model):
         param_groups=[{**{k: _as_json(v) for k, v in g.items() if k != "params"},
                        "params": [names[p] for p in members]}
                       for g, members in zip(opt.optim.param_groups, opt.group_members)],
-        loss_scale=opt.loss_scale, clean_steps=opt.clean_steps)
+        loss_scale=opt.loss_scale, clean_steps=opt.clean_steps, tp=_tp_slice(opt))
+
+
+def _tp_slice(opt):
+    """[tp rank, tp size]: the tensor-parallel slice this rank holds (every slice has the same names and
+    shapes, so only this tells them apart)."""
+    return [dist.get_rank(opt.tp_group), dist.get_world_size(opt.tp_group)] if opt.tp_group else [0, 1]
 
 
 def _mismatch(opt, model, manifest):
@@ -2027,6 +2033,11 @@ def _mismatch(opt, model, manifest):
     if saved != live:
         problems.append(f"another dtype: saved with {saved[0]} weights computing in {saved[1]}, this model has "
                         f"{live[0]} weights computing in {live[1]}: initialize with the checkpoint's dtypes")
+    live = _tp_slice(opt)
+    if manifest.get("tp", live) != live:  # (a manifest without it: not checked)
+        saved = manifest["tp"]
+        problems.append(f"another tensor-parallel slice: saved by tp rank {saved[0]} of {saved[1]}, this is tp rank "
+                        f"{live[0]} of {live[1]}: load the checkpoint this tp rank saved")
     if manifest["optimizer"] != type(opt.optim).__name__:
         problems.append(f"another optimizer: {manifest['optimizer']} saved, {type(opt.optim).__name__} here")
     saved = [g["params"] for g in manifest["param_groups"]]
