@@ -310,3 +310,36 @@ def test_a_buffer_shared_by_two_modules_stays_one_tensor_from_meta(world, stage)
         print(names, one, meta_names, meta_one)
         assert (meta_names, meta_one) == (names, one) == (["a.mask"], True)
         assert state.keys() == meta_state.keys() and all(torch.equal(state[k], meta_state[k]) for k in state)
+
+
+class EmptyWithTable(nn.Module):
+    """A module whose only parameter has no elements (a zero-rank adapter) and which holds a
+    buffer computed in __init__: on meta, its init_fn must still run, to compute the buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.adapter = nn.Parameter(torch.empty(0, 4))
+        self.register_buffer("table", torch.arange(4.0).mul(0.37).sin())
+
+    def reset_parameters(self):
+        self.table.copy_(torch.arange(4.0)).mul_(0.37).sin_()
+
+
+def on_rank_empty_parameter_with_buffer(stage):
+    """The buffers built whole and on meta."""
+    result = []
+    for meta in (False, True):
+        torch.manual_seed(0)
+        with torch.device("meta" if meta else "cpu"):
+            module = nn.Sequential(nn.Linear(4, 4), EmptyWithTable())
+        model, opt = zero.initialize(module, torch.optim.SGD, stage=stage, lr=0.1,
+                                     init_fn=(lambda m: m.reset_parameters()) if meta else None)
+        result.append({name: b.clone() for name, b in model.named_buffers()})
+    return result
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_module_whose_parameters_are_empty_still_initialises_its_buffers_from_meta(world, stage):
+    for whole, meta in world(2).run(on_rank_empty_parameter_with_buffer, stage):
+        assert set(whole) == set(meta) == {"1.table"} and torch.equal(whole["1.table"], meta["1.table"]), (whole, meta)

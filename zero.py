@@ -353,7 +353,8 @@ class MetaInit:
         for m in module.modules():
             for p in m.parameters(recurse=False):
                 self.owner.setdefault(p, m)
-        self.left = collections.Counter(self.owner.values())  # parameters each module still has to copy out
+        # parameters each module still has to copy out (an empty one has nothing to copy)
+        self.left = collections.Counter(m for p, m in self.owner.items() if p.numel())
         self.last = [segments[-1][0] if segments else -1 for segments in partition.segments_of]
         # Each parameter moves to the device now, before any hook is put on it (a hook lives on
         # the tensor that swap_tensors replaces), as the same Parameter object with no storage yet.
@@ -373,7 +374,7 @@ class MetaInit:
                     self.created[made[b]] = m
                 setattr(m, name, made[b])
             fills = any(self.created[made[b]] is m for name, b in on_meta)
-            if fills and not any(self.owner[p] is m for p in m.parameters(recurse=False)):
+            if fills and not self.left[m]:
                 self._materialize(m)  # else init_fn fills them with its parameters, bucket by bucket
 
     def values(self, k):
