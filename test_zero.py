@@ -550,6 +550,18 @@ class FrozenTimesChild(nn.Module):
         return x + self.child(y) @ self.w
 
 
+class ReadsItsWeightDetached(nn.Module):
+    """A stop-gradient read of its weight before the trainable one: backward needs the weight
+    for the input's gradient after the weight's own gradient has arrived."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / width ** 0.5)
+
+    def forward(self, x):
+        return F.linear(torch.tanh(x) @ self.weight.detach(), self.weight)
+
+
 def on_rank_frozen_layouts(stage, case):
     """The losses of 3 SGD steps of a model where stage 3 cannot free a group holding a frozen
     parameter at its module's input gradients, or must count its gradients afresh."""
@@ -565,10 +577,13 @@ def on_rank_frozen_layouts(stage, case):
     elif case == "leaf_input":  # a leaf's gradient is taken first, before the module's backward
         mid = FrozenTimesChild(16)
         forward = lambda x, step: last(mid(x.requires_grad_(), torch.randn(4, 16, generator=torch.Generator().manual_seed(step))))
+    elif case == "weight_read_detached":
+        mid = ReadsItsWeightDetached(16)
+        forward = lambda x, step: model(x)  # the first forward of the whole model learns the read
     else:  # "input_passed_through", backward twice over the retained graph
         mid = LoRAPassingInput(16)
         forward = lambda x, step: last(sum(map(torch.tanh, mid(first(x)))))
-    model, opt = zero.initialize(nn.ModuleList([first, mid, last]), torch.optim.SGD, stage=stage, bucket_numel=64,
+    model, opt = zero.initialize(nn.Sequential(first, mid, last), torch.optim.SGD, stage=stage, bucket_numel=64,
                                  stage3_units=[units] if units and stage == 3 else None, lr=0.1)
     losses = []
     for step in range(3):
@@ -587,12 +602,13 @@ def on_rank_frozen_layouts(stage, case):
 
 @pytest.mark.xdist_group("world2")
 @pytest.mark.parametrize("case", ["input_in_a_dataclass", "frozen_then_unfrozen", "leaf_input",
-                                  "input_passed_through"])
+                                  "input_passed_through", "weight_read_detached"])
 def test_stage3_keeps_a_group_with_frozen_parameters_while_backward_may_need_it(world, case):
     """Where a module's inputs cannot say when backward is done with it (a tensor inside an
     object, a leaf, no input needing a gradient) its group stays to the end of backward; the
     gradients to wait for are counted at each backward; a call that passes its input through
-    is done when the input's gradient is. Each case, with stage 0's losses."""
+    is done when the input's gradient is; a weight read detached (no gradient edge) is kept like a
+    frozen one. Each case, with stage 0's losses."""
     want = world(2).run(on_rank_frozen_layouts, 0, case)
     for got, want in zip(world(2).run(on_rank_frozen_layouts, 3, case), want):
         assert torch.equal(got, want), (got, want)

@@ -1203,6 +1203,7 @@ class ShardedParameters:
                                              for ks in self.group_buckets)  # see _prefetch
         self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, {}
         self.reads, self.stand_ins = None, set()  # the first forward's check; the stand-ins' storages
+        self.detached = set()  # groups the first forward read without a gradient edge (see _read)
         self.gradients = None  # the GradientBuckets, set by initialize
         for m, gids in hooks:
             # prepend: gathered before a pre-hook the module had already (weight_norm's computes the weight)
@@ -1349,8 +1350,13 @@ class ShardedParameters:
         """In the first forward, a read of a freed parameter's values is an error, not NaN: a
         module reading another's weight after that one ran (logits = h @ self.emb.weight.T), a
         forward hook registered after zero's, which freed the weights already. Its shape, dtype
-        or device may be read."""
+        or device may be read. A parameter read without a gradient edge (p.detach(), p.data) may
+        be saved for another tensor's gradient, which backward can compute after the parameter's
+        own: its group is kept as one with a frozen parameter is (see _watch_inputs)."""
         name = getattr(func, "__name__", repr(func))
+        if t in self.group_of and (name == "detach" or func == torch.Tensor.data.__get__):
+            self.detached.add(self.group_of[t])
+            self.pinned[self.group_of[t]] = True  # (this call's inputs are not watched)
         if t.untyped_storage()._cdata not in self.stand_ins or name in _METADATA:
             return
         what = f"a parameter of {self.names[self.group_of[t]]}" if t in self.group_of else "a freed parameter"
@@ -1414,11 +1420,13 @@ class ShardedParameters:
         """A frozen parameter has no gradient to say when backward is done with it. Backward is
         done with a module once its inputs have their gradients (FSDP2's post-backward): autograd
         runs the nodes a forward made before the node that made its input. For a call of a module
-        holding a frozen parameter, in a forward that builds a graph: this call's record,
-        [reached by backward, inputs' gradients in], with its inputs watched. A call whose inputs
-        cannot say it (none needs a gradient; a leaf, whose gradient autograd takes first; a
-        tensor inside an object pytree does not flatten) keeps its groups to the end of backward."""
-        if not torch.is_grad_enabled() or all(p.requires_grad for g in gids for p in self.groups[g]):
+        holding a frozen parameter (or one read detached), in a forward that builds a graph: this
+        call's record, [reached by backward, inputs' gradients in], with its inputs watched. A
+        call whose inputs cannot say it (none needs a gradient; a leaf, whose gradient autograd
+        takes first; a tensor inside an object pytree does not flatten) keeps its groups to the
+        end of backward."""
+        if not torch.is_grad_enabled() or all(p.requires_grad and g not in self.detached
+                                              for g in gids for p in self.groups[g]):
             return None
         leaves = tree_flatten((args, kwargs))[0]
         inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
