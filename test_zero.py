@@ -729,7 +729,9 @@ def test_stage3_rank_that_stops_gathering_is_caught_by_the_timeout(world):
 # module.state_dict() at stage 3 would copy freed storage (a crash or garbage); load_state_dict
 # would miss the fp32 master and stage 3's shard (silently undone by the next step); module.to()
 # or .double() would replace the parameters the step updates (training silently stops; at stage
-# 3 a crash). Each is an error naming the fix; a conversion that changes nothing goes through.
+# 3 a crash); copy.deepcopy (an EMA, AveragedModel) would copy zero's hooks with the module (at
+# stage 3 its parameters' NaN stand-ins). Each is an error naming the fix; a conversion that
+# changes nothing goes through.
 # So is the optimizer's own state_dict and load_state_dict (its state is sharded).
 # -----------------------------------------------------------------------------------------
 def on_rank_state_dict_around_zero(stage):
@@ -746,6 +748,8 @@ def on_rank_state_dict_around_zero(stage):
                        ("channels_last", lambda: zero.initialize(nn.Conv2d(2, 2, 1), torch.optim.AdamW, stage=stage,
                                                                  lr=1e-2)[0].to(memory_format=torch.channels_last)),
                        ("a submodule again", lambda: zero.initialize(model.fc1, torch.optim.AdamW, stage=stage)),
+                       ("deepcopy", lambda: copy.deepcopy(model)),
+                       ("a submodule's AveragedModel", lambda: torch.optim.swa_utils.AveragedModel(model.fc1)),
                        ("optimizer.state_dict", lambda: opt.state_dict()),
                        ("optimizer.load_state_dict", lambda: opt.load_state_dict({}))):
         try:
@@ -765,6 +769,8 @@ def test_module_state_dict_load_state_dict_and_conversions_name_the_fix(world, s
         assert "before zero.initialize" in errors["double"] and "to cpu" not in errors, errors
         assert "before zero.initialize" in errors["share_memory"] and "before" in errors["channels_last"], errors
         assert "already sharded by zero.initialize" in errors["a submodule again"], errors
+        assert "copy the module before zero.initialize" in errors["deepcopy"], errors
+        assert "copy the module before zero.initialize" in errors["a submodule's AveragedModel"], errors
         assert "zero.save_checkpoint" in errors["optimizer.state_dict"], errors
         assert "zero.load_checkpoint" in errors["optimizer.load_state_dict"], errors
         if stage == 3:

@@ -1704,6 +1704,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     for m in module.modules():  # loading around zero would miss the fp32 master and stage 3's shard
         m.register_load_state_dict_pre_hook(_refuse_load_state_dict)
         m._apply = functools.partial(_refuse_conversion, m)  # module.to(), .half(), .cuda(): see there
+        m.__deepcopy__ = _refuse_deepcopy  # (copy.deepcopy looks it up on the instance)
     module.zero_grad = optimizer.zero_grad  # the gradients are zero's buffers, not p.grad
     module._zero = optimizer
     return module, optimizer
@@ -1737,6 +1738,15 @@ def _refuse_conversion(module, fn, recurse=True):
             raise RuntimeError("zero.initialize has laid this module's parameters into its own buffers: move or "
                                "cast the module before zero.initialize (param_dtype=torch.bfloat16 for 16-bit compute)")
     return type(module)._apply(module, fn, recurse)
+
+
+def _refuse_deepcopy(memo):
+    """copy.deepcopy(module), as an EMA or AveragedModel(module) makes: the copy would carry zero's
+    hooks, which gather and wait for the original's parameters, and the original's optimizer; at
+    stage 3 its parameters would be copies of NaN stand-ins."""
+    raise RuntimeError("this module is sharded by zero.initialize, and a deep copy would carry zero's hooks (at stage "
+                       "3 its parameters hold no values): copy the module before zero.initialize (an EMA, "
+                       "AveragedModel(module)), then update the copy from zero.full_state_dict(model)")
 
 
 def _refuse_load_state_dict(*args):
