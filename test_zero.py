@@ -323,12 +323,12 @@ def on_rank_clip(stage, norm_type, max_norm):
 
 
 @pytest.mark.xdist_group("world2b")
-@pytest.mark.parametrize("norm_type, max_norm", [(1.0, 0.05), (float("inf"), 0.05), (2.0, 1e6)],
-                         ids=["l1-clipping", "inf-clipping", "l2-below-max_norm"])
+@pytest.mark.parametrize("norm_type, max_norm", [(1.0, 0.05), (float("inf"), 0.05), (2.0, 1e6), (2, torch.tensor(0.05))],
+                         ids=["l1-clipping", "inf-clipping", "l2-below-max_norm", "l2-int-tensor-max_norm"])
 @pytest.mark.parametrize("stage", [1, 3])
 def test_clip_grad_norm_matches_torch_for_each_norm_type_and_below_max_norm(world, stage, norm_type, max_norm):
-    """Every norm type torch takes; and below max_norm the gradients stay as they are (the
-    factor min(1, max_norm / (norm + 1e-6)) is 1)."""
+    """Every norm type torch takes (an int too); and below max_norm the gradients stay as they are
+    (the factor min(1, max_norm / (norm + 1e-6)) is 1). A tensor max_norm is a number to torch."""
     for clipping, problems in world(2).run(on_rank_clip, stage, norm_type, max_norm):
         assert clipping == (max_norm < 1) and problems == [], (clipping, problems)
 
@@ -1377,6 +1377,10 @@ def on_rank_torch_idioms(stage):
     loss_of(model, 0).backward()
     failures += missed_errors({"['frozen.weight', 'frozen.bias'] had requires_grad=False at zero.initialize": opt.step},
                               RuntimeError)
+    model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
+    (loss_of(model, 0) * float("inf")).backward()
+    failures += missed_errors({"is non-finite, so it cannot be clipped": lambda: opt.clip_grad_norm_(
+        1.0, error_if_nonfinite=True)}, RuntimeError)
     for scale in (1024.0, 0.25):  # (no min_scale applies to a static scale)
         model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2, param_dtype=torch.float16,
                                      loss_scale=scale)

@@ -588,13 +588,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             grad.mul_(coef)
         return grad
 
-    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """torch.nn.utils.clip_grad_norm_, bit for bit: the norm of the per-parameter norms, then
         every gradient times min(1, max_norm / (norm + 1e-6)). torch's norm of a tensor sums in an
         order that depends on its length, so a gradient split over ranks is sent whole to one
         "norm rank" (chosen to balance the bytes): each rank sends about Ψ/Nd elements a step, in
         rounds of at most a bucket. With a tp_group, the norm is the whole model's (Megatron's rule):
         the split parameters' norms from every tp rank, the replicated ones once. Returns the total norm."""
+        max_norm, norm_type = float(max_norm), float(norm_type)  # as torch takes them (a tensor max_norm too)
         if self.gradients.micro_batches == 0:  # no backward yet: 0, nothing to clip
             return torch.zeros((), dtype=self.weights_dtype, device=self.partition.device)
         self._reduce()
@@ -616,6 +617,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             total = self._tp_norm(norms, [self.partition.params[i] for i in with_grad], norm_type)
         else:
             total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else like.new_zeros(())
+        if error_if_nonfinite and not total.isfinite():  # (the same total on every rank: all raise)
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+                               f"so it cannot be clipped. To disable this error and scale the gradients by the "
+                               f"non-finite norm anyway, set `error_if_nonfinite=False`")
         self.clip_coefs.append(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # step() multiplies by it
         return total
 
