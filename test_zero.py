@@ -1368,8 +1368,14 @@ def on_rank_torch_idioms(stage):
 
     model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
     failures += compare("clip_grad_norm_ with no gradient (torch: 0)", opt.clip_grad_norm_(1.0), torch.zeros(()))
+    failures += missed_errors({"step() takes no closure": lambda: opt.step(lambda: loss_of(model, 0))}, TypeError)
+    calls = []  # step hooks on zero's optimizer run once around its step(), as on a torch.optim one
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o is opt)))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o is opt)))
     loss_of(model, 0).backward()
     opt.step()
+    if calls != [("pre", True), ("post", True)]:
+        failures.append(f"step hooks on zero's optimizer: {calls}")
     failures += missed_errors({"backward reached Net's parameters after its optimizer.step() without optimizer.zero_grad()":
                                lambda: loss_of(model, 1).backward()}, RuntimeError)
     model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2)

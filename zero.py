@@ -528,6 +528,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gradients.require_scaled_backward = self.scaler is not None
         self.clean_steps, self.norm_plan = 0, None
         self.zero_grad()
+        # torch.optim.Optimizer's hook registries: register_step_pre_hook/post_hook run around step()
+        for kind in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
+                     "load_state_dict_post"):
+            setattr(self, f"_optimizer_{kind}_hooks", collections.OrderedDict())
+        self._patch_step_function()
 
     @property
     def param_groups(self):
@@ -724,9 +729,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if wholes[i][1] == part.params[i].numel():  # all of it is here; freed once its norm is taken
                 norms[i] = _norm(wholes.pop(i)[0], norm_type)
 
-    def step(self):
+    def step(self, closure=None):
         """Update this rank's part and make the parameters whole again. Returns False when fp16
         loss scaling found an overflow and skipped the step on every rank."""
+        if closure is not None:
+            raise TypeError("step() takes no closure: run the forward and backward (optimizer.backward(loss) "
+                            "for fp16) before optimizer.step(), which returns False where fp16 skipped the step")
         self.parameters.wait()  # stages 1-2: last step's all-gather, if no forward waited for it
         self._reduce()
         self.gradients.stepped = True  # this step's gradients are used: the next backward needs zero_grad()
