@@ -1419,6 +1419,8 @@ def on_rank_bad_inputs():
         "pass the optimizer class, not an instance": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.AdamW(nn.Linear(2, 2).parameters()), stage=1),
         "fused=True .* use fused=False": lambda: zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=1, fused=True),
+        "fused=True optimizers are not layout invariant": lambda: (lambda m: zero.initialize(
+            m, torch.optim.AdamW, stage=1, param_groups=[{"params": m.parameters(), "fused": True}]))(nn.Linear(2, 2)),
         "LBFGS cannot be sharded exactly": lambda: zero.initialize(nn.Linear(2, 2), torch.optim.LBFGS, stage=1),
         "int64: ZeRO shards floating-point parameters only": lambda: zero.initialize(
             _with_int_param(), torch.optim.AdamW, stage=1),

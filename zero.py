@@ -1794,7 +1794,7 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
         raise ValueError(f"{getattr(optimizer_class, '__name__', optimizer_class)} cannot be sharded exactly: "
                          f"ZeRO splits the update across ranks, which is exact only for elementwise "
                          f"optimizers ({names})")
-    if optimizer_kwargs.get("fused"):
+    if optimizer_kwargs.get("fused") or any(g.get("fused") for g in param_groups or ()):
         raise ValueError("fused=True optimizers are not layout invariant (a shard updates to other bits "
                          "than the whole tensor): use fused=False, or foreach=True for speed")
     for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
