@@ -1369,6 +1369,8 @@ def on_rank_torch_idioms(stage):
     model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
     failures += compare("clip_grad_norm_ with no gradient (torch: 0)", opt.clip_grad_norm_(1.0), torch.zeros(()))
     failures += missed_errors({"step() takes no closure": lambda: opt.step(lambda: loss_of(model, 0))}, TypeError)
+    failures += missed_errors({"p.grad stays None at every stage (the gradients live in zero's buffers): call "
+                               "optimizer.zero_grad()": lambda: opt.zero_grad(set_to_none=False)}, ValueError)
     calls = []  # step hooks on zero's optimizer run once around its step(), as on a torch.optim one
     opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o is opt)))
     opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o is opt)))

@@ -771,7 +771,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none=True):
         if not set_to_none:
-            raise ValueError("zero_grad(set_to_none=False) is not supported: gradients are always released")
+            raise ValueError("zero_grad(set_to_none=False) would keep zeroed p.grad tensors, but p.grad stays None at "
+                             "every stage (the gradients live in zero's buffers): call optimizer.zero_grad()")
         self._free_grads()
         self.gradients.zero_grad()
         self.overflow = False
