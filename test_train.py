@@ -21,6 +21,7 @@ from gpt import GPT, GPTConfig, make_mesh
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
+FAST = ["--steps", "1", "--batch_size", "2", "--seq_len", "16", "--data", os.path.join(HERE, "zero.py")]
 
 
 def on_rank_2d_zero_matches_ddp(stage, units=False):
@@ -104,6 +105,14 @@ def test_train_loss_curves_are_identical_for_stages_0_and_3(tmp_path):
     (["--save_dir", os.path.join(HERE, "README.md")], "README.md is a file: give a directory"),
     (["--data", os.path.join(HERE, ".gitignore"), "--seq_len", "100"], "use a corpus of 1020 bytes or more"),
     (["--data", os.path.join(HERE, "no_such_file.txt")], "no_such_file.txt is not a file: give a text file"),
+    # (FAST: were a flag let through, the run would end in seconds, not after 1000 steps)
+    (["--lr", "nan"], "--lr must be above 0, a finite number (got nan)"),
+    (["--grad_clip", "nan", *FAST], "--grad_clip must be 0 (off) or more, a finite number (got nan)"),
+    (["--save_every", "-1"], "--save_every must be 0 (a checkpoint at the end only) or more (got -1)"),
+    (["--out", os.path.join(HERE, "README.md", "run.json"), *FAST], "README.md, a file: give a path in a directory"),
+    (["--save_dir", os.path.join(HERE, "README.md", "ckpt"), *FAST], "README.md, a file: give a path in a directory"),
+    (["--resume", os.path.join(HERE, "no_such_checkpoint"), *FAST], "no_such_checkpoint is not a checkpoint (it does not exist)"),
+    (["--resume", HERE, *FAST], "is not a checkpoint (no manifest.json): give a step directory a run saved"),
 ])
 def test_train_bad_flags_say_what_to_change(flags, message):
     proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *flags], capture_output=True,

@@ -58,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="continue from a checkpoint (default: the latest complete one in --save_dir)")
     args = p.parse_args(argv)
+    if args.save_every < 0:
+        p.error(f"--save_every must be 0 (a checkpoint at the end only) or more (got {args.save_every})")
     if args.save_every and not args.save_dir:
         p.error("--save_every needs --save_dir DIR, where the checkpoints go")
     if args.resume == "latest" and not args.save_dir:
@@ -65,11 +67,10 @@ def parse_args(argv=None):
     for name in ("steps", "batch_size", "seq_len", "eval_every", "tp", "grad_accum", "bucket_numel"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1 (got {getattr(args, name)})")
-    if args.lr <= 0:
-        p.error(f"--lr must be above 0 (got {args.lr:g})")
-    for name, low in (("weight_decay", "0 or more"), ("grad_clip", "0 (off) or more")):
-        if getattr(args, name) < 0:
-            p.error(f"--{name} must be {low} (got {getattr(args, name):g})")
+    for name, low in (("lr", "above 0"), ("weight_decay", "0 or more"), ("grad_clip", "0 (off) or more")):
+        value = getattr(args, name)  # (nan passes no comparison: it fails this one)
+        if not (math.isfinite(value) and (value > 0 if name == "lr" else value >= 0)):
+            p.error(f"--{name} must be {low}, a finite number (got {value:g})")
     if args.contiguous and args.checkpoint == "none":
         p.error("--contiguous keeps activation checkpoints in one buffer: add --checkpoint full, P_a or P_a+cpu")
     if args.save_dir and pathlib.Path(args.save_dir).exists() and not pathlib.Path(args.save_dir).is_dir():
@@ -78,6 +79,17 @@ def parse_args(argv=None):
         p.error(f"--data {args.data} is not a file: give a text file (or leave --data out for the standard library)")
     if args.out and pathlib.Path(args.out).is_dir():
         p.error(f"--out {args.out} is a directory: give a file path, e.g. {args.out}/run.json")
+    for name in ("save_dir", "out"):  # written after training: a path under a file would fail only then
+        above = next((d for d in pathlib.Path(getattr(args, name) or ".").parents if d.exists()), None)
+        if above is not None and not above.is_dir():
+            p.error(f"--{name} {getattr(args, name)} lies under {above}, a file: give a path in a directory")
+    if args.resume not in (None, "latest"):  # a checkpoint has a manifest.json, or one per tp slice in tp*/
+        resume = pathlib.Path(args.resume)
+        if not (resume / "manifest.json").is_file() and not any(d.is_dir() for d in resume.glob("tp*")):
+            p.error(f"--resume {args.resume} is not a checkpoint ("
+                    + ("it does not exist" if not resume.exists() else "no manifest.json")
+                    + "): give a step directory a run saved (DIR/step_NNNNNN), or --save_dir DIR --resume "
+                      "for its latest complete one")
     n_head = PRESETS[args.model].n_head
     if n_head % args.tp:
         p.error(f"--tp {args.tp} does not divide the {args.model} model's {n_head} attention heads: choose --tp in "
