@@ -99,6 +99,9 @@ def test_train_loss_curves_are_identical_for_stages_0_and_3(tmp_path):
     (["--seq_len", "4096"], "exceeds the nano model's block_size 128"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--tp", "3"], "--tp 3 does not divide the nano model's 4 attention heads: choose --tp in {1, 2, 4}"),
+    # small: 6 heads, but a vocabulary of 256 bytes splits over tp 1 and 2 only
+    (["--model", "small", "--tp", "4"], "--tp 4 does not divide the small model's 6 attention heads: choose --tp in {1, 2}"),
+    (["--model", "small", "--tp", "3"], "--tp 3 does not divide the small model's vocabulary of 256 tokens: choose --tp in {1, 2}"),
     (["--lr", "0"], "--lr must be above 0"),
     (["--weight_decay", "-1"], "--weight_decay must be 0 or more"),
     (["--contiguous"], "add --checkpoint full, P_a or P_a+cpu"),

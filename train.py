@@ -90,10 +90,14 @@ def parse_args(argv=None):
                     + ("it does not exist" if not resume.exists() else "no manifest.json")
                     + "): give a step directory a run saved (DIR/step_NNNNNN), or --save_dir DIR --resume "
                       "for its latest complete one")
-    n_head = PRESETS[args.model].n_head
+    n_head, vocab = PRESETS[args.model].n_head, PRESETS[args.model].vocab_size
+    fits = divisors(math.gcd(n_head, vocab))  # each tp rank takes whole heads and vocab / tp embedding rows
     if n_head % args.tp:
         p.error(f"--tp {args.tp} does not divide the {args.model} model's {n_head} attention heads: choose --tp in "
-                f"{divisors(n_head)}")
+                f"{fits}")
+    if vocab % args.tp:
+        p.error(f"--tp {args.tp} does not divide the {args.model} model's vocabulary of {vocab} tokens: choose --tp "
+                f"in {fits}")
     if args.seq_len > PRESETS[args.model].block_size:
         p.error(f"--seq_len {args.seq_len} exceeds the {args.model} model's block_size "
                 f"{PRESETS[args.model].block_size}: use --seq_len {PRESETS[args.model].block_size} or less")
