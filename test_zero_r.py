@@ -160,6 +160,8 @@ def test_checkpointing_takes_blocks_called_with_one_tensor():
     x = torch.randn(3, 2, 8, requires_grad=True)
     with pytest.raises(TypeError, match=r"block\(x\), with one tensor; this one got 2 more argument"):
         blocks[0](x, x, x)
+    with pytest.raises(TypeError, match=r"block\(x\), with one tensor; this one got a tuple: checkpoint a module"):
+        blocks[0]((x, x))  # (a pipeline's (hidden, mask))
 
 class Residual(nn.Module):
     def __init__(self):

@@ -1581,10 +1581,11 @@ class ActivationCheckpointing:
             block.forward = functools.partial(self._forward, i, block.forward)
 
     def _forward(self, i, forward, x, *args, **kwargs):
-        if args or kwargs:
+        if args or kwargs or not isinstance(x, torch.Tensor):
+            got = f"{len(args)} more argument(s) and keywords {sorted(kwargs)}" if torch.is_tensor(x) else \
+                f"a {type(x).__name__}"
             raise TypeError(f"zero.checkpoint_activations checkpoints blocks called as block(x), with one tensor; "
-                            f"this one got {len(args)} more argument(s) and keywords {sorted(kwargs)}: checkpoint "
-                            f"a module whose forward takes x alone")
+                            f"this one got {got}: checkpoint a module whose forward takes x alone")
         if not torch.is_grad_enabled():  # nothing to save for a backward
             return forward(x)
         if torch.empty_like(x, device="meta").stride() != x.stride():  # not dense (a slice with gaps):
