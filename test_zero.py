@@ -1434,7 +1434,7 @@ def on_rank_bad_inputs():
                                                                     prefetch=-1),
         "reduction must be 'exact' .* or 'native' .* \\(got 'fast'\\)": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.AdamW, stage=1, reduction="fast"),
-        "bucket_numel must be at least 1 \\(got 0\\)": lambda: zero.initialize(
+        "bucket_numel must be an int, at least 1 \\(got 0\\)": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.AdamW, stage=1, bucket_numel=0),
         "param_groups leaves out trainable parameters": lambda: (lambda m: zero.initialize(
             m, torch.optim.AdamW, stage=1, param_groups=[{"params": [m.weight]}]))(nn.Linear(2, 2)),
@@ -1444,6 +1444,9 @@ def on_rank_bad_inputs():
             lambda m: zero.initialize(m, torch.optim.AdamW, stage=3, stage3_units=[m]))(
             nn.ModuleList([nn.Linear(2, 2)])),
         "create_graph=True .* use stage 2": _gradient_penalty_at_stage3,
+        "parameter 0.weight is laid out already by zero.initialize of another module": _a_parameter_in_two_models,
+        "bucket_numel must be an int.* \\(got 500000000.0\\)": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.AdamW, stage=1, bucket_numel=5e8),
     }
     return missed_errors(cases, (TypeError, ValueError, RuntimeError), match=re.search)
 
@@ -1455,6 +1458,17 @@ def _gradient_penalty_at_stage3():
     torch.autograd.grad(model(x).sum(), x, create_graph=True)
 
 
+def _a_parameter_in_two_models():
+    """Two models that share a Parameter (not a module), each given to zero.initialize: the second
+    would take the parameter into its own buffers, and a backward through either would fail in
+    the other's gradient hook."""
+    a, b = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)), nn.Sequential(nn.Linear(2, 2))
+    b[0].weight = a[0].weight
+    a, opt_a = zero.initialize(a, torch.optim.SGD, stage=1, lr=0.1)
+    b, opt_b = zero.initialize(b, torch.optim.SGD, stage=1, lr=0.1)
+    a(torch.ones(1, 2)).sum().backward()
+
+
 def _with_int_param():
     m = nn.Linear(2, 2)
     m.count = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
@@ -1464,3 +1478,17 @@ def _with_int_param():
 @pytest.mark.xdist_group("world1")
 def test_bad_inputs_get_errors_that_name_the_fix(world):
     assert world(1).run(on_rank_bad_inputs) == [[]]
+
+
+def on_rank_outside_the_group():
+    """dist.new_group([0]) hands rank 1 GroupMember.NON_GROUP_MEMBER, not a process group."""
+    group = dist.new_group([0])
+    if dist.get_rank() == 0:
+        return []
+    return missed_errors({"this rank is not in group": lambda: zero.initialize(
+        nn.Linear(2, 2), torch.optim.AdamW, stage=1, group=group)}, (TypeError, ValueError, RuntimeError))
+
+
+@pytest.mark.xdist_group("world2")
+def test_a_rank_outside_the_group_is_told_so(world):
+    assert world(2).run(on_rank_outside_the_group) == [[], []]

@@ -1716,6 +1716,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         for b in buffers:  # rank 0's from the start, as DDP's constructor does
             dist.broadcast(b, group_src=0, group=group)
         module.register_forward_pre_hook(functools.partial(_broadcast_buffers, buffers, group, [True]))
+    for p in params:  # another model's zero.initialize would take them into its own buffers
+        p._zero_laid_out = True
     for m in module.modules():  # loading around zero would miss the fp32 master and stage 3's shard
         m.register_load_state_dict_pre_hook(_refuse_load_state_dict)
         m._apply = functools.partial(_refuse_conversion, m)  # module.to(), .half(), .cuda(): see there
@@ -1779,6 +1781,9 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3 (got {stage!r})")
     for name, g in (("group", group), ("tp_group", tp_group)):
+        if isinstance(g, int) and g == dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives the ranks left out
+            raise ValueError(f"this rank is not in {name} (dist.new_group(ranks) returned GroupMember.NON_GROUP_MEMBER "
+                             f"here): call zero.initialize on the ranks of the group only")
         if g is not None and not isinstance(g, dist.ProcessGroup):
             raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None (got {type(g).__name__}); "
                             f"make one with dist.new_group(ranks) or a DeviceMesh")
@@ -1819,6 +1824,10 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
         raise ValueError(f"init_fn initialises a module built on the meta device, but this one is on "
                          f"{params[0].device} and already initialised: drop init_fn")
     for name, p in module.named_parameters():
+        if getattr(p, "_zero_laid_out", False):  # a Parameter another model shares (a module is caught above)
+            raise ValueError(f"parameter {name} is laid out already by zero.initialize of another module, whose "
+                             f"buffers and optimizer hold it: models that share a parameter must be one module "
+                             f"given to zero.initialize once (an nn.ModuleDict of both), or each needs its own copy")
         if not p.is_floating_point():
             raise TypeError(f"parameter {name} has dtype {p.dtype}: ZeRO shards floating-point parameters "
                             f"only; register it as a buffer instead")
@@ -1836,8 +1845,9 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be 0 (off) or more: how many largest units' worth of parameters stage 3 "
                          f"gathers ahead (got {prefetch!r})")
-    if bucket_numel is not None and bucket_numel < 1:
-        raise ValueError(f"bucket_numel must be at least 1 (got {bucket_numel})")
+    if bucket_numel is not None and (not isinstance(bucket_numel, int) or bucket_numel < 1):
+        raise ValueError(f"bucket_numel must be an int, at least 1 (got {bucket_numel!r}): elements per bucket, "
+                         f"e.g. bucket_numel=2**22 or int(5e8)")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be 'exact' (sums in a fixed order, bit-reproducible) or 'native' (the "
                          f"backend's reduce-scatter) (got {reduction!r})")
