@@ -1445,6 +1445,7 @@ def on_rank_bad_inputs():
             nn.ModuleList([nn.Linear(2, 2)])),
         "create_graph=True .* use stage 2": _gradient_penalty_at_stage3,
         "parameter 0.weight is laid out already by zero.initialize of another module": _a_parameter_in_two_models,
+        "sparse gradient .* sparse=False": _a_sparse_gradient,
         "bucket_numel must be an int.* \\(got 500000000.0\\)": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.AdamW, stage=1, bucket_numel=5e8),
     }
@@ -1467,6 +1468,12 @@ def _a_parameter_in_two_models():
     a, opt_a = zero.initialize(a, torch.optim.SGD, stage=1, lr=0.1)
     b, opt_b = zero.initialize(b, torch.optim.SGD, stage=1, lr=0.1)
     a(torch.ones(1, 2)).sum().backward()
+
+
+def _a_sparse_gradient():
+    model, opt = zero.initialize(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1)), torch.optim.SGD,
+                                 stage=1, lr=0.1)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
 
 
 def _with_int_param():

@@ -943,6 +943,10 @@ class GradientBuckets:
                                f"module called more than once inside torch.utils.checkpoint(use_reentrant=True) "
                                f"(or used inside and outside it), which runs a backward of its own per call; use "
                                f"use_reentrant=False (or zero.checkpoint_activations)")
+        if p.grad.layout != torch.strided:  # the buckets are dense
+            raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a sparse gradient (nn.Embedding or "
+                               f"nn.EmbeddingBag with sparse=True): ZeRO reduces dense gradient buckets; build the "
+                               f"layer with sparse=False")
         self.used[i] = True
         grad, a = p.grad.view(-1), part.offsets[i]
         for k, lo, hi in part.segments_of[i]:  # copy into the bucket(s) it falls in
