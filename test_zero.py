@@ -1363,7 +1363,10 @@ def on_rank_torch_idioms(stage):
     trainable = lambda m: [p for p in m.parameters() if p.requires_grad]
     for form, groups in {"a generator": lambda m: [{"params": (p for p in trainable(m))}],
                          "the parameters alone": trainable,
-                         "a tensor per group": lambda m: [{"params": p} for p in trainable(m)]}.items():
+                         "a tensor per group": lambda m: [{"params": p} for p in trainable(m)],
+                         "named parameters": lambda m: [(n, p) for n, p in m.named_parameters() if p.requires_grad],
+                         "named parameters in a group": lambda m: [
+                             {"params": ((n, p) for n, p in m.named_parameters() if p.requires_grad)}]}.items():
         failures += compare(f"param_groups as {form}", train(groups=groups), want)
 
     model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2)

@@ -1732,17 +1732,18 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
 
 
 def _groups(param_groups):
-    """param_groups in any form torch.optim takes (a group's "params" a tensor or any iterable; or
-    the parameters alone, one group) as [{"params": [...], **options}]."""
+    """param_groups in any form torch.optim takes (a group's "params" a tensor or any iterable of
+    tensors or of (name, tensor) pairs, as named_parameters() gives; or the parameters alone, one
+    group) as [{"params": [tensors], **options}]."""
     if param_groups is None:
         return None
     groups = list(param_groups)
-    if all(isinstance(g, torch.Tensor) for g in groups):
+    if all(isinstance(g, (torch.Tensor, tuple)) for g in groups):
         groups = [{"params": groups}]
     if not all(isinstance(g, dict) and "params" in g for g in groups):
         raise TypeError("param_groups must be [{'params': [...], **options}, ...] (or a list of parameters)")
-    return [{**g, "params": [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])}
-            for g in groups]
+    return [{**g, "params": [g["params"]] if isinstance(g["params"], torch.Tensor) else
+             [p[1] if isinstance(p, tuple) else p for p in g["params"]]} for g in groups]
 
 
 def _refuse_conversion(module, fn, recurse=True):
