@@ -8,6 +8,7 @@ returns a list of mismatches, empty when everything agreed.
 """
 import copy
 import dataclasses
+import datetime
 import re
 import shutil
 import time
@@ -691,9 +692,9 @@ class Branchy(nn.Module):
         return self.b(self.extra(h) if take else h)
 
 
-def on_rank_branch_taken_by_rank_0_only(gather_at_all=True):
+def on_rank_branch_taken_by_rank_0_only(gather_at_all=True, check_timeout=3):
     torch.manual_seed(0)
-    model, opt = zero.initialize(Branchy(), torch.optim.SGD, stage=3, lr=0.1, check_timeout=3)
+    model, opt = zero.initialize(Branchy(), torch.optim.SGD, stage=3, lr=0.1, check_timeout=check_timeout)
     start = time.perf_counter()
     try:
         if gather_at_all or dist.get_rank() == 0:
@@ -716,7 +717,9 @@ def test_stage3_branch_on_one_rank_is_an_error_on_every_rank(world, nd):
 def test_stage3_rank_that_stops_gathering_is_caught_by_the_timeout(world):
     pool = world(2)
     try:
-        (message, seconds), (other, _) = pool.run(on_rank_branch_taken_by_rank_0_only, False)
+        # (a timedelta, as torch.distributed's timeouts take, is 3 s too)
+        (message, seconds), (other, _) = pool.run(on_rank_branch_taken_by_rank_0_only, False,
+                                                  datetime.timedelta(seconds=3))
     finally:
         pool.broken = True  # rank 0's timed-out all-reduce is still pending: start a fresh pool
     print(f"rank 0 after {seconds:.2f} s: {message}")

@@ -1206,7 +1206,8 @@ class ShardedParameters:
         for m, gids in hooks:
             for g in gids:
                 self.names[g] = self.names[g] or names[m]
-        self.check_timeout = datetime.timedelta(seconds=check_timeout)
+        self.check_timeout = check_timeout if isinstance(check_timeout, datetime.timedelta) else \
+            datetime.timedelta(seconds=check_timeout)
         self.group_of = {p: g for g, members in enumerate(groups) for p in members}
         # a group's buckets are consecutive: its runs were laid out together
         self.group_buckets = [sorted({k for p in members for k, lo, hi in partition.segments_of[partition.index[p]]})
