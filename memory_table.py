@@ -819,6 +819,11 @@ SECTIONS = {  # flag -> section, in the order they print
     "measure": measure_section,
     "simulate": simulate_section,
 }
+SECTION_FLAGS = {  # section -> the flags only it reads
+    "measure": ["world", "model"],
+    "simulate": ["sizes"],
+    "fit": ["budget", "nd", "family", "dtypes", "batch_size", "seq_len", "bucket_numel"],
+}
 
 
 def main(argv=None):
@@ -846,11 +851,20 @@ def main(argv=None):
         for value in values if isinstance(values, list) else [values]:
             if value is not None and value < 1:  # bucket_numel None: train.py's default
                 parser.error(f"--{name} must be at least 1 (got {value})")
-    if args.budget <= 0:
-        parser.error(f"--budget must be more than 0 MB (got {args.budget:g})")
-    chosen = [SECTIONS[name] for name in SECTIONS if getattr(args, name)]
-    if not chosen and not args.fit:   # none given = all but --fit, which trains models for minutes
-        chosen = list(SECTIONS.values())
+    if not math.isfinite(args.budget) or args.budget <= 0:   # nan passed `<= 0`, then failed in round()
+        parser.error(f"--budget must be a finite number of MB above 0 (got {args.budget:g})")
+    if args.fit and args.seq_len > PRESETS[args.family].block_size:   # else every rank fails in its forward
+        block_size = PRESETS[args.family].block_size
+        parser.error(f"--seq_len {args.seq_len} exceeds the {args.family} model's block_size {block_size}: "
+                     f"use --seq_len {block_size} or less")
+    running = [name for name in SECTIONS if getattr(args, name)]
+    if not running and not args.fit:   # none given = all but --fit, which trains models for minutes
+        running = list(SECTIONS)
+    for section, names in SECTION_FLAGS.items():   # a section's flag where it does not run would be ignored
+        for name in names if section not in running + ["fit"] * args.fit else ():
+            if getattr(args, name) != parser.get_default(name):
+                parser.error(f"--{name} is a --{section} flag: add --{section}, or leave --{name} out")
+    chosen = [SECTIONS[name] for name in running]
     tables = {}
     for section in chosen + ([fit_section] if args.fit else []):
         tables.update(section(args))

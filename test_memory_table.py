@@ -308,6 +308,28 @@ def test_cli_fit_alone_runs_only_the_fit_with_its_flags(monkeypatch, capsys):
     assert "section fit" in capsys.readouterr().out
 
 
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fit", "--budget", "nan"], "--budget must be a finite number of MB above 0 (got nan)"),
+    (["--fit", "--budget", "inf"], "--budget must be a finite number of MB above 0 (got inf)"),
+    (["--fit", "--family", "nano", "--seq_len", "200"],
+     "--seq_len 200 exceeds the nano model's block_size 128: use --seq_len 128 or less"),
+    # a section's flags where that section does not run: ignored without a word before
+    (["--budget", "60"], "--budget is a --fit flag: add --fit"),
+    (["--formula", "--nd", "2"], "--nd is a --fit flag: add --fit"),
+    (["--simulate", "--dtypes", "bf16"], "--dtypes is a --fit flag: add --fit"),
+    (["--fit", "--world", "2"], "--world is a --measure flag: add --measure"),
+    (["--formula", "--model", "small"], "--model is a --measure flag: add --measure"),
+    (["--measure", "--sizes", "1t"], "--sizes is a --simulate flag: add --simulate"),
+])
+def test_cli_bad_flags_say_what_to_change(monkeypatch, capsys, flags, message):
+    monkeypatch.setattr(mt, "fit_section", lambda args: pytest.fail(f"{flags} ran the fit"))
+    for name in list(mt.SECTIONS):   # a flag let through would run a section: minutes for some
+        monkeypatch.setitem(mt.SECTIONS, name, lambda args: pytest.fail(f"{flags} ran a section"))
+    with pytest.raises(SystemExit):
+        mt.main(flags)
+    assert message in capsys.readouterr().err
+
 # Small enough for CI: the tiny preset (0.2M parameters a block) on 2 ranks under 100 MB each. One
 # sequence of 128 tokens a rank makes activations about 6.5 bytes a parameter in fp32, above what
 # zero.initialize adds at stage 3 for a moment (the whole model, then every gather buffer: 12Ψ at
