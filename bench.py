@@ -87,6 +87,12 @@ def parse_args(argv=None):
         p.error("--link needs --nodes N")
     if args.world is None:
         args.world = 2
+    twice = [s for s in SYSTEMS if args.systems.count(s) > 1]  # each would take two turns a round
+    if twice:
+        p.error(f"--systems names {', '.join(twice)} more than once: name each system once")
+    if all(s.startswith("deepspeed") for s in args.systems) and importlib.util.find_spec("deepspeed") is None:
+        p.error(f"--systems {' '.join(args.systems)}: deepspeed is not installed (pip install deepspeed): "
+                "add a system that does not need it to --systems")
     for name in ("world", "steps", "warmup", "repeats", "launches", "batch_size", "seq_len"):
         least = 0 if name == "warmup" else 1
         if getattr(args, name) < least:

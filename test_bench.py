@@ -44,3 +44,17 @@ def test_bench_on_two_emulated_nodes_gives_one_loss_and_leaves_no_namespace_behi
     # every namespace bench.main made (named zb<its pid>-...) is gone, and with them their links
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert f"zb{os.getpid()}-" not in left
+
+
+@pytest.mark.parametrize("flags, message", [
+    # every system chosen is skipped: drive() divided by the number left, 0 (ZeroDivisionError)
+    (["--systems", "deepspeed1", "deepspeed3"], "deepspeed is not installed (pip install deepspeed): "
+                                                "add a system that does not need it to --systems"),
+    # a system named twice took two turns a round: twice the rounds the legend says
+    (["--systems", "ddp", "zero3", "ddp"], "--systems names ddp more than once: name each system once"),
+])
+def test_bench_bad_flags_say_what_to_change(monkeypatch, capsys, flags, message):
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name, package=None: None)  # no deepspeed
+    with pytest.raises(SystemExit):
+        bench.parse_args(flags)
+    assert message in capsys.readouterr().err
