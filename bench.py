@@ -78,6 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--json", action="store_true", help="print the rows as one JSON object instead of the table")
     args = p.parse_args(argv)
     if args.nodes is not None:
+        if args.nodes < 1:  # checked here: it becomes --world, whose check below would name --world
+            p.error(f"--nodes must be at least 1 (got {args.nodes})")
         if args.world is not None and args.world != args.nodes:
             p.error(f"--world {args.world} differs from --nodes {args.nodes}: one rank per node (leave out --world)")
         if args.link is None:

@@ -52,6 +52,8 @@ def test_bench_on_two_emulated_nodes_gives_one_loss_and_leaves_no_namespace_behi
                                                 "add a system that does not need it to --systems"),
     # a system named twice took two turns a round: twice the rounds the legend says
     (["--systems", "ddp", "zero3", "ddp"], "--systems names ddp more than once: name each system once"),
+    # --nodes sets --world: its check named --world, a flag not given
+    (["--nodes", "0", "--link", "1gbit"], "--nodes must be at least 1 (got 0)"),
 ])
 def test_bench_bad_flags_say_what_to_change(monkeypatch, capsys, flags, message):
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name, package=None: None)  # no deepspeed
