@@ -851,7 +851,7 @@ def main(argv=None):
         for value in values if isinstance(values, list) else [values]:
             if value is not None and value < 1:  # bucket_numel None: train.py's default
                 parser.error(f"--{name} must be at least 1 (got {value})")
-    if not math.isfinite(args.budget) or args.budget <= 0:   # nan passed `<= 0`, then failed in round()
+    if not math.isfinite(args.budget) or args.budget <= 0:   # (nan passes `<= 0`)
         parser.error(f"--budget must be a finite number of MB above 0 (got {args.budget:g})")
     if args.fit and args.seq_len > PRESETS[args.family].block_size:   # else every rank fails in its forward
         block_size = PRESETS[args.family].block_size
@@ -861,7 +861,9 @@ def main(argv=None):
     if not running and not args.fit:   # none given = all but --fit, which trains models for minutes
         running = list(SECTIONS)
     for section, names in SECTION_FLAGS.items():   # a section's flag where it does not run would be ignored
-        for name in names if section not in running + ["fit"] * args.fit else ():
+        if section in running or (section == "fit" and args.fit):
+            continue
+        for name in names:
             if getattr(args, name) != parser.get_default(name):
                 parser.error(f"--{name} is a --{section} flag: add --{section}, or leave --{name} out")
     chosen = [SECTIONS[name] for name in running]
