@@ -392,3 +392,19 @@ def test_memory_hooks_count_what_autograd_saves_in_cpp_alone():
     print(f"kept by forward: {kept} B")
     assert 64 * 4096 * 4 <= kept < 64 * 4096 * 4 + 64, kept
     loss.backward()
+
+
+def test_live_tensor_bytes_counts_a_sparse_tensor_by_its_parts():
+    """A sparse tensor has no storage of its own (untyped_storage() raises): one alive anywhere
+    in the process (a sparse embedding's gradient, a graph's adjacency matrix) is counted by the
+    dense tensors that hold its indices and values, for COO and compressed layouts alike."""
+    base = zero.live_tensor_bytes()
+    coo = torch.eye(100).to_sparse()  # 100 int64 (2, 100) indices + 100 fp32 values
+    assert zero.live_tensor_bytes() - base == 2 * 100 * 8 + 100 * 4
+    del coo
+    csr = torch.sparse_csr_tensor(torch.arange(101), torch.arange(100), torch.ones(100))  # 101 + 100 int64, 100 fp32
+    assert zero.live_tensor_bytes() - base == 101 * 8 + 100 * 8 + 100 * 4
+    del csr
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()  # grad: sparse COO, (1, 2) int64 indices + (2, 4) fp32 values
+    assert zero.live_tensor_bytes() - base == 10 * 4 * 4 + 2 * 8 + 2 * 4 * 4

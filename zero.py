@@ -77,12 +77,24 @@ def default_bucket_numel(nd):
 # and residual states (activations, temporary buffers, fragmentation). MemoryHooks records
 # memory at every module boundary: from the caching allocator on CUDA; on CPU, where
 # torch.cuda.memory_allocated() is always 0, from the bytes of the tensors alive.
+def _dense_parts(t):
+    """The tensors whose storages hold t's elements: t itself, or a sparse tensor's indices and
+    values (a sparse tensor has no storage of its own)."""
+    if t.layout == torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices(), t.row_indices(), t.values()]
+    return [t]
+
+
 def live_storages(device_type="cpu"):
     """{storage id: storage} of every tensor (and .grad) alive on `device_type`, each storage
     once, keyed by the storage itself (data_ptr() is 0 on meta and raises once resize_(0) freed
     it). A wrapper subclass (DTensor) is skipped: its local tensor is counted instead; so is a
-    FakeTensor torch.compile left behind, which holds no memory. Tensors that only C++ holds are
-    not seen."""
+    FakeTensor torch.compile left behind, which holds no memory. A sparse tensor counts by the
+    storages of its indices and values. Tensors that only C++ holds are not seen."""
     gc.collect()
     storages = {}
     with warnings.catch_warnings():
@@ -91,8 +103,8 @@ def live_storages(device_type="cpu"):
             if isinstance(obj, torch.Tensor) and obj.device.type == device_type \
                     and not is_traceable_wrapper_subclass(obj) and not isinstance(obj, FakeTensor):
                 for t in (obj, obj.grad):
-                    if t is not None:
-                        storages[t.untyped_storage()._cdata] = t.untyped_storage()
+                    for part in _dense_parts(t) if t is not None else ():
+                        storages[part.untyped_storage()._cdata] = part.untyped_storage()
     return storages
 
 
