@@ -408,3 +408,19 @@ def test_live_tensor_bytes_counts_a_sparse_tensor_by_its_parts():
     emb = torch.nn.Embedding(10, 4, sparse=True)
     emb(torch.tensor([1, 2])).sum().backward()  # grad: sparse COO, (1, 2) int64 indices + (2, 4) fp32 values
     assert zero.live_tensor_bytes() - base == 10 * 4 * 4 + 2 * 8 + 2 * 4 * 4
+
+
+def test_memory_hooks_kept_by_forward_without_a_recorded_forward_says_so():
+    """kept_by_forward for a module with no recorded forward (recording never set, or a name
+    that is not a module's) raises a ValueError naming the fix, not a bare StopIteration."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    memory = zero.MemoryHooks(model)
+    model(torch.randn(2, 4))  # not recorded
+    with pytest.raises(ValueError, match="recording = True"):
+        memory.kept_by_forward()
+    memory.recording = True
+    model(torch.randn(2, 4))
+    memory.recording = False
+    assert memory.kept_by_forward("0") > 0
+    with pytest.raises(ValueError, match=r"no recorded forward of module 'fc'.*'0'"):
+        memory.kept_by_forward("fc")

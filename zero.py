@@ -176,8 +176,12 @@ class MemoryHooks:
     def kept_by_forward(self, name=""):
         """Bytes the first recorded forward of module `name` (default: the root) kept for its
         backward: allocated at the forward's end minus at its start."""
-        start, end = [next(r[2] for r in self.records if r[:2] == (phase, name))
+        start, end = [next((r[2] for r in self.records if r[:2] == (phase, name)), None)
                       for phase in ("forward start", "forward end")]
+        if start is None or end is None:
+            raise ValueError(f"no recorded forward of module {name!r}: set recording = True around a forward, "
+                             f"and name a module of {sorted({r[1] for r in self.records})} (every_module=False "
+                             f"records the root, '', alone)")
         return end - start
 
 
