@@ -394,6 +394,7 @@ def test_memory_hooks_count_what_autograd_saves_in_cpp_alone():
     loss.backward()
 
 
+@pytest.mark.filterwarnings("ignore:Sparse")  # torch: CSR is in beta; invariant checks are off by default
 def test_live_tensor_bytes_counts_a_sparse_tensor_by_its_parts():
     """A sparse tensor has no storage of its own (untyped_storage() raises): one alive anywhere
     in the process (a sparse embedding's gradient, a graph's adjacency matrix) is counted by the
