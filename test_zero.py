@@ -972,6 +972,56 @@ def test_stage3_input_gradient_is_no_micro_batch(world):
 # Nothing leaks: dropping the model and the optimizer frees everything zero.initialize made,
 # as with a plain module and torch.optim.AdamW
 # -----------------------------------------------------------------------------------------
+class BadBatch(Exception):
+    pass
+
+
+def _raise_bad_batch(grad):
+    raise BadBatch
+
+
+def on_rank_backward_that_raised(stage, raise_at):
+    """Losses and live bytes of 3 steps of good batches; at step raise_at a backward raises on
+    every rank from a tensor hook deep inside the model (after some buckets were reduced), the
+    error is caught and the gradients zeroed. None: the bad batch is skipped."""
+    before = settled(lambda: zero.live_tensor_bytes())
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(4)], nn.Linear(DIM, 1))
+    model, opt = zero.initialize(model, torch.optim.AdamW, stage=stage, bucket_numel=40, lr=1e-2)
+    losses, live = [], []
+    for step in range(4):
+        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1000 * step + dist.get_rank()))
+        if step == raise_at:
+            try:
+                h = model[1](model[0](x))
+                h.register_hook(_raise_bad_batch)
+                model[4](model[3](model[2](h))).pow(2).mean().backward()
+            except BadBatch:
+                pass
+            del h
+            opt.zero_grad()
+        if step == 1:
+            continue
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        live.append(settled(lambda: zero.live_tensor_bytes()) - before)
+    return torch.stack(losses), live
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_training_after_a_backward_that_raised_matches_skipping_the_batch(world, stage):
+    """zero_grad() after the error ends the broken backward: its reductions, and at stage 3 the
+    parameters it gathered and its count of the gradients still to come."""
+    for (got, got_live), (want, want_live) in zip(world(2).run(on_rank_backward_that_raised, stage, 1),
+                                                  world(2).run(on_rank_backward_that_raised, stage, None)):
+        assert torch.equal(got, want), (got, want)
+        assert got_live == want_live, (got_live, want_live)
+
+
 def on_rank_dropped_model_is_freed(stage):
     import weakref
     before = zero.live_storages()

@@ -882,7 +882,7 @@ class GradientBuckets:
         self.reduced_chunks = [self.reduced[partition.chunk(k) if in_full or replicate else partition.own(k)]
                                for k in range(len(partition.buckets))]
         self.order = [k for k, b in enumerate(partition.buckets) if b.trainable]  # reduced in reverse
-        self.require_scaled_backward, self.scaled_backward = False, False
+        self.require_scaled_backward, self.scaled_backward, self.in_backward = False, False, False
         # the hook holds this object weakly: Python's collector cannot see a cycle through C++
         for p in partition.params[:self.n_trainable]:
             p.register_post_accumulate_grad_hook(functools.partial(_call_weakly, weakref.WeakMethod(self.grad_ready)))
@@ -891,6 +891,10 @@ class GradientBuckets:
         return [t for t in (self.full, self.reduced) if t is not None]
 
     def zero_grad(self):
+        if self.in_backward:  # a backward that raised never reached its end: end it, dropping its gradients
+            for k, (work, *_) in self.in_reduction:
+                work.wait()  # (its send buffer may be the full gradient, which the next backward writes)
+            self.on_backward_end()  # stage 3: the groups it gathered are freed, its counts reset
         for p in self.partition.params:
             p.grad = None
         self.micro_batches, self.used_so_far, self.used_flags = 0, [False] * self.n_trainable, []
