@@ -92,7 +92,7 @@ def parse_args(argv=None):
     twice = [s for s in SYSTEMS if args.systems.count(s) > 1]  # each would take two turns a round
     if twice:
         p.error(f"--systems names {', '.join(twice)} more than once: name each system once")
-    if all(s.startswith("deepspeed") for s in args.systems) and importlib.util.find_spec("deepspeed") is None:
+    if unavailable(args.systems) == args.systems:  # none would be left to run
         p.error(f"--systems {' '.join(args.systems)}: deepspeed is not installed (pip install deepspeed): "
                 "add a system that does not need it to --systems")
     for name in ("world", "steps", "warmup", "repeats", "launches", "batch_size", "seq_len"):
@@ -103,6 +103,11 @@ def parse_args(argv=None):
         p.error(f"--seq_len {args.seq_len} exceeds the {args.model} model's block_size "
                 f"{PRESETS[args.model].block_size}: use --seq_len {PRESETS[args.model].block_size} or less")
     return args
+
+
+def unavailable(systems):
+    """The systems that cannot run here: DeepSpeed's, where deepspeed is not installed."""
+    return [s for s in systems if s.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None]
 
 
 # ---------------------------------------------------------------------------
@@ -463,7 +468,7 @@ def drive(args, launch, nodes):
 
 def main(argv=None):
     args = parse_args(argv)
-    skipped = [s for s in args.systems if s.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None]
+    skipped = unavailable(args.systems)
     args.systems = [s for s in args.systems if s not in skipped]
     psi = num_params(PRESETS[args.model])
     # Every launch starts every system afresh: one process group can run a few percent faster or
