@@ -303,6 +303,27 @@ def test_fp16_overflow_on_one_tp_rank_skips_the_step_on_every_tp_rank(world):
     stepped = _on_ranks(world, 2, _fp16_overflow_on_one_tp_rank)
     assert stepped == [False, False], f"step() returned {stepped} on the tp ranks"
 
+
+def _data_parallel_group_holding_tp_ranks(tp):
+    """tp_group given, group left at its default (the world, which holds both tp ranks): zero would
+    start tp rank 1 from tp rank 0's slices and average the two slices' gradients, silently."""
+    group, _ = _group_and_rank(tp)
+    errors = []
+    for kwargs in ({}, {"group": group}):
+        try:
+            zero.initialize(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32),
+                                tp_group=group), torch.optim.SGD, stage=1, tp_group=group, lr=0.1, **kwargs)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_a_data_parallel_group_that_holds_tp_ranks_is_refused(world):
+    for errors in _on_ranks(world, 2, _data_parallel_group_holding_tp_ranks):
+        for error in errors:
+            assert error is not None and "share ranks [0, 1]" in error and "make_mesh" in error, error
+
 # ---------------------------------------------------------------------------
 # One process, meta builds and parameter counts
 # ---------------------------------------------------------------------------

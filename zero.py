@@ -1813,6 +1813,16 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
         if g is not None and not isinstance(g, dist.ProcessGroup):
             raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None (got {type(g).__name__}); "
                             f"make one with dist.new_group(ranks) or a DeviceMesh")
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        # a dp group holding two ranks of one tp group would start every tp rank from dp rank 0's
+        # slice and average different slices' gradients: same shapes, so nothing else would say so
+        both = sorted(set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+                      & set(dist.get_process_group_ranks(tp_group)))
+        if len(both) > 1:
+            raise ValueError(f"group ({'the world, by default' if group is None else 'the data-parallel group'}) and "
+                             f"tp_group share ranks {both}, which hold different tensor-parallel slices: pass the "
+                             f"data-parallel group of a (dp, tp) mesh, dp_group, tp_group = gpt.make_mesh(dp, tp); "
+                             f"zero.initialize(..., group=dp_group, tp_group=tp_group)")
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module (got {type(module).__name__})")
     if any(getattr(m.__dict__.get("_apply"), "func", None) is _refuse_conversion for m in module.modules()):
