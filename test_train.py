@@ -199,6 +199,20 @@ def test_train_with_tp_saves_each_slice_and_resumes(tmp_path):
         assert proc.returncode != 0 and message in proc.stderr and "step    0" not in proc.stdout, proc.stderr[-2000:]
 
 
+def test_resume_from_one_tp_slice_names_its_step_directory(tmp_path, capsys):
+    """--resume step_N/tp0 (a slice of a --tp 2 checkpoint, which has a manifest of its own) said
+    "saved with --tp 1: resume with --tp 1", and at --tp 1 the load then refused every split shape."""
+    part = tmp_path / "step_000002" / "tp0"
+    part.mkdir(parents=True)
+    (part / "manifest.json").write_text(json.dumps({"tp": [0, 2]}))
+    for tp in ("1", "2"):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--tp", tp, "--resume", str(part)])
+        err = capsys.readouterr().err
+        assert f"is tp slice 0 of a checkpoint saved with --tp 2: resume from its step directory, --resume " \
+               f"{part.parent} --tp 2" in err, err
+
+
 def test_latest_checkpoint_is_the_highest_complete_step(tmp_path):
     for done in ["step_999999", "step_1000000", "step_7/tp0", "step_7/tp1", "step_8/tp0"]:
         (tmp_path / done).mkdir(parents=True)

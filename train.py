@@ -90,6 +90,11 @@ def parse_args(argv=None):
                     + ("it does not exist" if not resume.exists() else "no manifest.json")
                     + "): give a step directory a run saved (DIR/step_NNNNNN), or --save_dir DIR --resume "
                       "for its latest complete one")
+        if (resume / "manifest.json").is_file():  # one tp slice of a --tp N checkpoint has a manifest of its own
+            slice_of = json.loads((resume / "manifest.json").read_text()).get("tp", [0, 1])
+            if slice_of[1] > 1:
+                p.error(f"--resume {args.resume} is tp slice {slice_of[0]} of a checkpoint saved with --tp "
+                        f"{slice_of[1]}: resume from its step directory, --resume {resume.parent} --tp {slice_of[1]}")
     n_head, vocab = PRESETS[args.model].n_head, PRESETS[args.model].vocab_size
     fits = divisors(math.gcd(n_head, vocab))  # each tp rank takes whole heads and vocab / tp embedding rows
     if n_head % args.tp:
