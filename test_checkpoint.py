@@ -439,6 +439,29 @@ def test_another_tensor_parallel_slice_is_refused(world, tmp_path):
         assert changed == [], changed
 
 
+def on_rank_save_every_tp_slice_into_one_path(path):
+    """dp 1 x tp 2, both tp ranks saving into the same directory: each dp group (one per tp slice)
+    ran its own save there, racing: one emptied the other's path.partial, or found the other's
+    renamed checkpoint and said 'exists: save each checkpoint into a new directory'."""
+    dp_group, tp_group = make_mesh(dp=1, tp=2)
+    module = GPT(CONFIG, tp_group=tp_group, seed=1)
+    model, opt = zero.initialize(module, torch.optim.AdamW, stage=1, group=dp_group, tp_group=tp_group, lr=1e-2)
+    try:
+        zero.save_checkpoint(path, model, opt)
+        error = "no error"
+    except ValueError as e:
+        error = str(e)
+    dist.barrier()
+    return error, os.path.exists(path) or os.path.exists(path + ".partial")
+
+
+@pytest.mark.xdist_group("world2")
+def test_tp_slices_saved_into_one_directory_are_refused(world, tmp_path):
+    for error, written in world(2).run(on_rank_save_every_tp_slice_into_one_path, str(tmp_path / "ckpt")):
+        assert "every tensor-parallel slice into" in error and "tp{tp_rank}" in error, error
+        assert not written
+
+
 class WithBuffers(torch.nn.Module):
     def __init__(self, count=2, cache=4):
         super().__init__()

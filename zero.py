@@ -1971,6 +1971,13 @@ def save_checkpoint(path, model, optimizer, **extra):
     opt, path = _engine(model), pathlib.Path(path)
     part, group = opt.partition, opt.partition.group
     partial = path.with_name(path.name + ".partial")
+    if opt.tp_group:  # each tp slice is saved over a dp group of its own: into one path they would race
+        paths = [None] * dist.get_world_size(opt.tp_group)
+        dist.all_gather_object(paths, os.path.abspath(path), group=opt.tp_group)
+        if len(set(paths)) < len(paths):
+            raise ValueError(f"every tensor-parallel slice into {path}: each tp rank's slice is a checkpoint of its "
+                             f"own, saved over its dp group; give each its own directory, e.g. "
+                             f"f'{path}/tp{{tp_rank}}' with tp_rank = dist.get_rank(tp_group)")
     if path.exists():
         raise FileExistsError(f"{path} exists: save each checkpoint into a new directory (e.g. step_000100)")
     _refuse_pending_gradients(opt, "save_checkpoint", "they are not saved")
