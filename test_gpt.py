@@ -254,7 +254,7 @@ def test_gpt_generates_the_same_tokens_on_every_tp_rank_as_tp1(world, tp):
         assert torch.equal(sampled, results[0][1]), f"rank {r} sampled {sampled.tolist()} vs rank 0"
 
 
-def _zero_at_tp_clips_by_the_whole_models_norm(tp, stage):
+def _zero_at_tp_clips_by_the_whole_models_norm(tp, stage, norm_type=2.0):
     dp_group, tp_group = make_mesh(dp=1, tp=tp)
     config = GPTConfig(n_layer=2, n_head=4, n_embd=64)
     ref = GPT(config, seed=3)
@@ -266,7 +266,8 @@ def _zero_at_tp_clips_by_the_whole_models_norm(tp, stage):
     for step in range(3):
         for m, o in ((ref, ref_opt), (model, opt)):
             m(idx, targets)[1].backward()
-            norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05) if m is ref else o.clip_grad_norm_(0.05))
+            norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type) if m is ref
+                         else o.clip_grad_norm_(0.05, norm_type))
             o.step()
             o.zero_grad()
     print(f"rank {dist.get_rank()}: norms {[f'{n.item():.7f}' for n in norms]} (tp=1, tp={tp}) by step")
@@ -277,11 +278,12 @@ def _zero_at_tp_clips_by_the_whole_models_norm(tp, stage):
     return norms[1::2], {n: state[n] for n, p in model.named_parameters() if not hasattr(p, "tensor_model_parallel")}
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_zero_at_tp_clips_by_the_whole_models_norm(world, stage):
+@pytest.mark.parametrize("stage, norm_type", [(1, 2.0), (3, 2.0), (3, -math.inf)])
+def test_zero_at_tp_clips_by_the_whole_models_norm(world, stage, norm_type):
     """Each tp rank holds a slice of the split weights: clipping by the slice's norm alone
-    would scale each tp rank's step differently, and the replicated weights would drift apart."""
-    results = _on_ranks(world, 2, _zero_at_tp_clips_by_the_whole_models_norm, stage)
+    would scale each tp rank's step differently, and the replicated weights would drift apart.
+    norm_type -inf (the smallest parameter norm) takes the smallest over the tp ranks."""
+    results = _on_ranks(world, 2, _zero_at_tp_clips_by_the_whole_models_norm, stage, norm_type)
     (norms0, replicated0), (norms1, replicated1) = results
     assert all(torch.equal(a, b) for a, b in zip(norms0, norms1)), f"norms differ: {norms0} vs {norms1}"
     for name, value in replicated0.items():
@@ -302,6 +304,20 @@ def _fp16_overflow_on_one_tp_rank(tp):
 def test_fp16_overflow_on_one_tp_rank_skips_the_step_on_every_tp_rank(world):
     stepped = _on_ranks(world, 2, _fp16_overflow_on_one_tp_rank)
     assert stepped == [False, False], f"step() returned {stepped} on the tp ranks"
+
+
+def _clip_by_norm_0_at_tp(tp):
+    dp_group, tp_group = make_mesh(dp=1, tp=tp)
+    model, opt = zero.initialize(nn.Linear(8, 8), torch.optim.SGD, stage=1, group=dp_group, tp_group=tp_group, lr=0.1)
+    model(torch.ones(2, 8)).sum().backward()
+    with pytest.raises(ValueError, match="norm_type=0.*clip by norm_type 2") as e:
+        opt.clip_grad_norm_(1.0, norm_type=0)
+    return str(e.value)
+
+
+def test_clip_by_norm_0_at_tp_is_refused(world):
+    """norm 0 counts parameters: a split parameter's slices on two tp ranks would count twice."""
+    print(_on_ranks(world, 2, _clip_by_norm_0_at_tp)[0])
 
 
 def _data_parallel_group_holding_tp_ranks(tp):

@@ -648,12 +648,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _tp_norm(self, norms, params, norm_type):
         """The norm over every tp rank's slices, from each parameter's norm here: split parameters
         count on every tp rank, replicated ones on tp rank 0 only; one all-reduce of a scalar."""
+        if norm_type == 0:
+            raise ValueError("clip_grad_norm_(norm_type=0) counts the parameters with a nonzero gradient, which the "
+                             "tensor-parallel slices of a parameter cannot add up to: clip by norm_type 2 (or 1, inf)")
         first = dist.get_rank(self.tp_group) == 0
         mine = [n for n, p in zip(norms, params) if getattr(p, "tensor_model_parallel", False) or first]
-        mine = torch.stack(mine) if mine else torch.zeros(1, dtype=self.weights_dtype, device=self.partition.device)
-        if norm_type == math.inf:
-            part = mine.max()
-            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if not mine:  # nothing here: the identity of the reduction below
+            mine = [torch.tensor(math.inf if norm_type == -math.inf else 0.0, dtype=self.weights_dtype,
+                                 device=self.partition.device)]
+        mine = torch.stack(mine)
+        if norm_type in (math.inf, -math.inf):  # the largest (smallest) norm of any slice
+            part = mine.max() if norm_type > 0 else mine.min()
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN, group=self.tp_group)
             return part
         part = (mine ** norm_type).sum()
         dist.all_reduce(part, group=self.tp_group)
@@ -1910,7 +1916,8 @@ def model_state_bytes(module):
 
 def full_state_dict(module):
     """{name: full CPU tensor} for every parameter and buffer (floating point as fp32), the same
-    keys as module.state_dict(), identical on every rank. A collective: call it on every rank.
+    keys as module.state_dict(), identical on every rank of `group` (with a tp_group, each tp rank
+    gets its slices). A collective: call it on every rank.
     Gathered a bucket at a time: the device holds one bucket more; the CPU holds the model."""
     opt = _engine(module)
     opt.parameters.wait()
