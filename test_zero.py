@@ -9,6 +9,7 @@ returns a list of mismatches, empty when everything agreed.
 import copy
 import dataclasses
 import datetime
+import gc
 import re
 import shutil
 import time
@@ -304,20 +305,21 @@ def test_one_reduction_is_in_flight_while_backward_computes(world, stage):
         assert max(in_flight) == 1, in_flight
 
 
-def on_rank_clip(stage, norm_type, max_norm):
-    """One backward, clip_grad_norm_, then SGD with lr 1 (w - g): zero against torch's
-    clip_grad_norm_ under DDP, bit for bit."""
+def on_rank_clip(stage, norm_type, max_norm, times=1):
+    """One backward, clip_grad_norm_ (`times` times), then SGD with lr 1 (w - g): zero against
+    torch's clip_grad_norm_ under DDP, bit for bit."""
     ddp_model = make_model()
     ddp = DDP(ddp_model, find_unused_parameters=True)
     x, y = batch(0)
     F.cross_entropy(ddp(x, *usage(0, dist.get_rank(), True)).view(-1, VOCAB), y.view(-1)).backward()
-    want = torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm, norm_type)
+    want = torch.stack([torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm, norm_type)
+                        for _ in range(times)])
     torch.optim.SGD(ddp_model.parameters(), lr=1.0).step()
     model, opt = zero.initialize(make_model(), torch.optim.SGD, stage=stage, bucket_numel=64, lr=1.0)
     F.cross_entropy(model(x, *usage(0, dist.get_rank(), True)).view(-1, VOCAB), y.view(-1)).backward()
-    got = opt.clip_grad_norm_(max_norm, norm_type)
+    got = torch.stack([opt.clip_grad_norm_(max_norm, norm_type) for _ in range(times)])
     opt.step()
-    clipping = bool(want > max_norm)
+    clipping = bool(want[0] > max_norm)
     weights = {n: p for n, p in ddp_model.state_dict().items() if n != "seen"}
     return clipping, compare("norm", got, want) + compare("weights", {n: zero.full_state_dict(model)[n]
                                                                       for n in weights}, weights)
@@ -332,6 +334,16 @@ def test_clip_grad_norm_matches_torch_for_each_norm_type_and_below_max_norm(worl
     (the factor min(1, max_norm / (norm + 1e-6)) is 1). A tensor max_norm is a number to torch."""
     for clipping, problems in world(2).run(on_rank_clip, stage, norm_type, max_norm):
         assert clipping == (max_norm < 1) and problems == [], (clipping, problems)
+
+
+@pytest.mark.xdist_group("world2b")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_clip_grad_norm_twice_in_a_step_matches_torch_twice(world, stage):
+    """A second clip_grad_norm_ before step() measures the clipped gradients, as torch's does
+    after clipping in place, and the step multiplies by both factors. Where the reduced gradient
+    is read as a view (stages 0, 2, 3), the second norm clips a copy, not the gradient itself."""
+    for clipping, problems in world(2).run(on_rank_clip, stage, 2.0, 0.05, 2):
+        assert clipping and problems == [], problems
 
 
 def on_rank_norm_load():
@@ -1058,6 +1070,53 @@ def test_dropping_the_model_and_optimizer_frees_everything(world, stage):
         assert results["zero"] == (True, 0), results
 
 
+def on_rank_parameter_outlives_its_model(stage):
+    """A parameter kept after its model and optimizer are dropped: zero's gradient hook holds
+    them weakly, so a backward through the parameter is torch's alone and fills its .grad."""
+    model, opt = zero.initialize(nn.Linear(4, 4), torch.optim.SGD, stage=stage, lr=0.1)
+    weight = model.weight
+    del model, opt
+    gc.collect()
+    (weight * 2).sum().backward()
+    return torch.equal(weight.grad, torch.full((4, 4), 2.0))
+
+
+@pytest.mark.xdist_group("world1")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_parameter_kept_after_its_model_is_dropped_is_a_plain_tensor(world, stage):
+    assert world(1).run(on_rank_parameter_outlives_its_model, stage) == [True]
+
+
+def on_rank_parts_called_on_their_own(stage):
+    """A module whose root forward never runs, its parts called one by one (a GAN's generator and
+    discriminator in one nn.ModuleDict): at stages 1-2 each part's forward waits for every
+    all-gather step() left in flight. Returns the losses, and the all-gathers still in flight as
+    each forward of `a` starts (after zero's pre-hook)."""
+    torch.manual_seed(0)
+    model, opt = zero.initialize(nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 1)}), torch.optim.SGD,
+                                 stage=stage, bucket_numel=16, lr=0.1)
+    losses, in_flight = [], []
+    model.a.register_forward_pre_hook(lambda m, args: in_flight.append(len(opt.parameters.in_flight)))
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 10 * dist.get_rank()))
+        loss = model.b(torch.tanh(model.a(x))).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, in_flight
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage1_2_parts_called_without_the_root_wait_for_the_parameters(world):
+    want = world(2).run(on_rank_parts_called_on_their_own, 0)
+    for stage in (1, 2):
+        got = world(2).run(on_rank_parts_called_on_their_own, stage)
+        print(f"stage {stage}: all-gathers in flight as `a` starts, by step: {[g[1] for g in got]}")
+        for (losses, in_flight), (want_losses, _) in zip(got, want):
+            assert in_flight == [0, 0, 0] and all(map(torch.equal, losses, want_losses)), (stage, losses, want_losses)
+
+
 def on_rank_parameters_read_right_after_step(stage):
     """An EMA's read: the parameters listed right after step(), against the stepped weights."""
     torch.manual_seed(0)
@@ -1424,6 +1483,12 @@ def on_rank_torch_idioms(stage):
 
     model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
     failures += compare("clip_grad_norm_ with no gradient (torch: 0)", opt.clip_grad_norm_(1.0), torch.zeros(()))
+    before = zero.full_state_dict(model)
+    stepped = opt.step()  # no backward: as with torch, no parameter has a gradient and none moves
+    failures += compare("weights after step() without a backward", zero.full_state_dict(model), before)
+    if stepped is not True or len(opt.state):
+        failures.append(f"step() without a backward returned {stepped} and made state for {len(opt.state)} tensors")
+    opt.zero_grad()
     failures += missed_errors({"step() takes no closure": lambda: opt.step(lambda: loss_of(model, 0))}, TypeError)
     failures += missed_errors({"p.grad stays None at every stage (the gradients live in zero's buffers): call "
                                "optimizer.zero_grad()": lambda: opt.zero_grad(set_to_none=False)}, ValueError)
@@ -1504,6 +1569,24 @@ def on_rank_bad_inputs():
         "sparse gradient .* sparse=False": _a_sparse_gradient,
         "bucket_numel must be an int.* \\(got 500000000.0\\)": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.AdamW, stage=1, bucket_numel=5e8),
+        "param_groups must be \\[\\{'params': \\[...\\], \\*\\*options\\}, ...\\]": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.AdamW, stage=1, param_groups=[{"lr": 0.1}]),
+        "module must be a torch.nn.Module \\(got list\\)": lambda: zero.initialize(
+            [nn.Linear(2, 2)], torch.optim.AdamW, stage=1),
+        "param_dtype must be torch.float32, torch.bfloat16 or torch.float16 \\(got torch.float64\\)": lambda: (
+            zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=1, param_dtype=torch.float64)),
+        "loss_scale must be a number or a zero.DynamicLossScale \\(got str\\)": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.AdamW, stage=1, param_dtype=torch.float16, loss_scale="dynamic"),
+        "module has no parameters to shard": lambda: zero.initialize(nn.ReLU(), torch.optim.AdamW, stage=1),
+        "parameter 1.weight is torch.float64 on cpu but others are torch.float32 on cpu": lambda: zero.initialize(
+            nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()), torch.optim.AdamW, stage=1),
+        "param_groups must hold only this module's parameters, each at most once": lambda: (lambda m: zero.initialize(
+            m, torch.optim.AdamW, stage=1, param_groups=[{"params": [m.weight, m.weight, m.bias]}]))(nn.Linear(2, 2)),
+        "this module was not returned by zero.initialize": lambda: zero.full_state_dict(nn.Linear(2, 2)),
+        "pass all the groups to it as param_groups=": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.AdamW, stage=1)[1].add_param_group({"params": [torch.zeros(2)]}),
+        "with fp16 loss scaling, call optimizer.backward\\(loss\\) instead of loss.backward\\(\\)":
+            _loss_backward_with_fp16_loss_scaling,
     }
     return missed_errors(cases, (TypeError, ValueError, RuntimeError), match=re.search)
 
@@ -1530,6 +1613,11 @@ def _a_sparse_gradient():
     model, opt = zero.initialize(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1)), torch.optim.SGD,
                                  stage=1, lr=0.1)
     model(torch.tensor([[1, 2, 3]])).sum().backward()
+
+
+def _loss_backward_with_fp16_loss_scaling():
+    model, opt = zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=1, param_dtype=torch.float16)
+    model(torch.ones(1, 2, dtype=torch.float16)).sum().backward()  # unscaled: fp16 gradients could underflow
 
 
 def _with_int_param():
