@@ -94,9 +94,10 @@ def test_partitioned_checkpoints_are_one_tp_th_of_full_ones(world):
 SINGLE = {"full": dict(), "cpu": dict(cpu=True), "M_D": dict(contiguous=True), "cpu+M_D": dict(cpu=True, contiguous=True)}
 
 
-def schedule_grads(mode, width, schedule, transpose=False):
+def schedule_grads(mode, width, schedule, layout=None):
     """Parameter gradients after running `schedule`, ("F", i): forward of micro-batch i, ("B", i)
-    its backward, through 3 checkpointed blocks of `width` (mode None: no checkpointing)."""
+    its backward, through 3 checkpointed blocks of `width` (mode None: no checkpointing); the first
+    block's input transposed, or strided (every other element of a row twice as wide)."""
     torch.manual_seed(0)
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(3))
     if mode is not None:
@@ -104,8 +105,9 @@ def schedule_grads(mode, width, schedule, transpose=False):
     losses = {}
     for op, i in schedule:
         if op == "F":
-            x = torch.randn(3, 5, width, generator=torch.Generator().manual_seed(i), requires_grad=True)
-            x = x.transpose(0, 1) if transpose else x
+            x = torch.randn(3, 5, width * (2 if layout == "strided" else 1),
+                            generator=torch.Generator().manual_seed(i), requires_grad=True)
+            x = x.transpose(0, 1) if layout == "transposed" else x[..., ::2] if layout == "strided" else x
             for b in blocks:
                 x = b(x)
             losses[i] = x.pow(2).sum()
@@ -115,17 +117,18 @@ def schedule_grads(mode, width, schedule, transpose=False):
 
 
 @pytest.mark.parametrize("mode", SINGLE)
-@pytest.mark.parametrize("case", ["interleaved", "unaligned", "transposed"])
+@pytest.mark.parametrize("case", ["interleaved", "unaligned", "transposed", "strided"])
 def test_checkpointing_is_exact_in_any_schedule_width_and_layout(mode, case):
     """interleaved: micro-batches in flight at once, as in a 1F1B pipeline (F0 F1 B0 F2 B1 F3 B2
     B3): an M_D slot is reused only once the graph holding it is gone. unaligned: a width of 7,
     where slot i would start at 3 x 5 x 7 x 4 x i = 420 i bytes; the kernels' bits depend on alignment, so
     every slot starts 64-element aligned. transposed: a block input that is not contiguous is
-    recomputed in its own layout. Gradients torch.equal to no checkpointing."""
+    recomputed in its own layout. strided: one with gaps between its elements (a slice) is
+    computed on a dense copy. Gradients torch.equal to no checkpointing."""
     schedule = [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)] \
         if case == "interleaved" else [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
-    width, transpose = (7 if case == "unaligned" else 16), case == "transposed"
-    want, got = (schedule_grads(m, width, schedule, transpose) for m in (None, mode))
+    width, layout = (7 if case == "unaligned" else 16), case if case in ("transposed", "strided") else None
+    want, got = (schedule_grads(m, width, schedule, layout) for m in (None, mode))
     assert all(torch.equal(a, b) for a, b in zip(got, want)), max((a - b).abs().max().item() for a, b in zip(got, want))
 
 
@@ -152,6 +155,25 @@ def test_md_keeps_its_buffer_while_a_graph_holds_it():
     del first, second
     forward(6).backward()  # no graph holds the buffer now: one of the new shape
     assert kept_while_held and ckpt.arena is not arena and ckpt.arena.shape[1] >= 3 * 6 * 16, ckpt.arena.shape
+
+
+@pytest.mark.parametrize("mode", SINGLE)
+def test_checkpointed_blocks_under_no_grad_run_their_plain_forward_and_keep_nothing(mode):
+    """An evaluation (torch.no_grad) through checkpointed blocks has no backward to save for: the
+    outputs are the blocks' own, torch.equal, and no checkpoint is kept (no M_D buffer, no slot busy)."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        want = x
+        for b in blocks:
+            want = b(want)
+        ckpt = zero.checkpoint_activations(blocks, **SINGLE[mode])
+        got = x
+        for b in blocks:
+            got = b(got)
+    assert torch.equal(got, want) and not got.requires_grad
+    assert ckpt.arena is None and not any(ckpt.busy), (ckpt.arena, ckpt.busy)
 
 
 def test_checkpointing_takes_blocks_called_with_one_tensor():
