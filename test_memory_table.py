@@ -406,6 +406,9 @@ def test_live_tensor_bytes_counts_a_sparse_tensor_by_its_parts():
     csr = torch.sparse_csr_tensor(torch.arange(101), torch.arange(100), torch.ones(100))  # 101 + 100 int64, 100 fp32
     assert zero.live_tensor_bytes() - base == 101 * 8 + 100 * 8 + 100 * 4
     del csr
+    csc = torch.sparse_csc_tensor(torch.arange(101), torch.arange(100), torch.ones(100))  # 101 + 100 int64, 100 fp32
+    assert zero.live_tensor_bytes() - base == 101 * 8 + 100 * 8 + 100 * 4
+    del csc
     emb = torch.nn.Embedding(10, 4, sparse=True)
     emb(torch.tensor([1, 2])).sum().backward()  # grad: sparse COO, (1, 2) int64 indices + (2, 4) fp32 values
     assert zero.live_tensor_bytes() - base == 10 * 4 * 4 + 2 * 8 + 2 * 4 * 4
@@ -425,3 +428,19 @@ def test_memory_hooks_kept_by_forward_without_a_recorded_forward_says_so():
     assert memory.kept_by_forward("0") > 0
     with pytest.raises(ValueError, match=r"no recorded forward of module 'fc'.*'0'"):
         memory.kept_by_forward("fc")
+
+
+def test_memory_hooks_record_backward_start_of_a_leaf_output_and_none_without_a_graph():
+    """A module that returns a leaf (nn.Identity on an input that needs a gradient) has no
+    autograd node to hook: its backward start is recorded when the leaf's gradient arrives, the
+    last of this backward. A forward whose output needs no gradient records no backward start."""
+    model = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(4, 4))
+    memory = zero.MemoryHooks(model)
+    memory.recording = True
+    model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    model.requires_grad_(False)
+    model(torch.randn(2, 4))  # nothing needs a gradient: no backward to record
+    memory.recording = False
+    backward = [name for phase, name, *_ in memory.records if phase == "backward start"]
+    print(f"backward starts recorded: {backward}")
+    assert backward == ["1", "", "0"], backward
