@@ -8,6 +8,8 @@ import hashlib
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -133,6 +135,11 @@ def test_resume_when_a_parameter_had_no_optimizer_state_yet(world, tmp_path, sta
     for same_losses, differing in world(2).run(on_rank_resume_with_a_parameter_not_yet_stepped,
                                                str(tmp_path / "ckpt"), stage):
         assert same_losses == [True, True] and differing == []
+    # consolidated, the checkpoint holds no state for the parameters AdamW had not stepped, as a
+    # torch.optim optimizer holds none (rarely, unused in step 0; frozen, never trained)
+    names = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["param_groups"][0]["params"]
+    state = zero.consolidate(tmp_path / "ckpt")["optimizer"]["state"]
+    assert sorted(names[i] for i in state) == sorted(n for n in names if not n.startswith(("rarely.", "frozen.")))
 
 
 def on_rank_save_unloadable_extra(path):
@@ -364,6 +371,9 @@ def damage(path, how):
         (path / "manifest.json").unlink()
     elif how == "damaged manifest":  # the manifest holds no checksum of its own
         (path / "manifest.json").write_text((path / "manifest.json").read_text()[:-20])
+    elif how == "another format":
+        manifest = json.loads((path / "manifest.json").read_text())
+        (path / "manifest.json").write_text(json.dumps({**manifest, "format": 99}))
     elif how == "unreadable rest file":  # intact by its checksum, but torch.load(weights_only=True) refuses it
         torch.save({"extra": argparse.Namespace(step=1)}, path / "rank1.rest.pt")
         manifest = json.loads((path / "manifest.json").read_text())
@@ -387,6 +397,7 @@ BROKEN = {
     "truncated": ({"stage": 3}, "truncated"), "flipped byte": ({"stage": 3}, "checksum mismatch"),
     "missing rank file": ({"stage": 3}, "missing"), "missing manifest": ({"stage": 3}, "not a checkpoint"),
     "damaged manifest": ({"stage": 3}, "manifest.json cannot be read"),
+    "another format": ({"stage": 3}, "has format 99; this zero.py reads formats 2 and 3"),
     "another model": ({"stage": 3, "config": GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=4,
                                                         n_embd=32)}, "another model: h.2.ln_1.weight"),
     "another dtype": ({"stage": 3, "param_dtype": torch.bfloat16}, "another dtype"),
@@ -405,6 +416,11 @@ def test_broken_checkpoints_are_refused_before_anything_is_loaded(world, tmp_pat
     for error, changed in world(2).run(on_rank_load_refused, damage(path, how), make_kwargs):
         print(error)
         assert message in error and changed == []
+    if how in ("truncated", "flipped byte", "missing rank file", "another format"):  # consolidate checks them too
+        with pytest.raises(zero.CheckpointError) as refused:
+            zero.consolidate(path)
+        print(refused.value)
+        assert message in str(refused.value)
 
 
 @pytest.mark.xdist_group("world2")
@@ -413,6 +429,57 @@ def test_a_directory_that_is_not_a_checkpoint_is_refused(world, tmp_path):
     for where, why in [("empty", "no manifest.json"), ("nowhere", "does not exist")]:
         for error, changed in world(2).run(on_rank_load_refused, str(tmp_path / where), {"stage": 1}):
             assert why in error and changed == []
+
+
+def on_rank_save_twice(path):
+    model, opt = make(1)
+    zero.save_checkpoint(path, model, opt)
+    try:
+        zero.save_checkpoint(path, model, opt)
+        return "no error"
+    except FileExistsError as e:
+        return str(e)
+
+
+@pytest.mark.xdist_group("world2")
+def test_saving_into_an_existing_checkpoint_is_refused(world, tmp_path):
+    path = str(tmp_path / "ckpt")
+    for error in world(2).run(on_rank_save_twice, path):
+        assert error == f"{path} exists: save each checkpoint into a new directory (e.g. step_000100)", error
+
+
+def on_rank_load_with_a_tensor_lr(path):
+    """Saved with lr a number, loaded into groups whose lr is a tensor (as for a compiled step):
+    the saved value comes back in the live group's form, a tensor of its dtype."""
+    model, opt = make(1)
+    for group in opt.param_groups:
+        group["lr"] = torch.tensor(0.5, dtype=torch.float64)
+    zero.load_checkpoint(path, model, opt)
+    return [group["lr"] for group in opt.param_groups]
+
+
+@pytest.mark.xdist_group("world2")
+def test_a_number_saved_for_a_tensor_option_loads_as_a_tensor(world, tmp_path):
+    path = str(tmp_path / "ckpt")
+    world(2).run(on_rank_save, path, 1)  # lr 1e-2 in both groups after step 0
+    for lrs in world(2).run(on_rank_load_with_a_tensor_lr, path):
+        assert all(torch.equal(lr, torch.tensor(1e-2, dtype=torch.float64)) for lr in lrs), lrs
+
+
+@pytest.mark.xdist_group("world1")
+def test_python_zero_py_consolidate_writes_what_consolidate_returns(world, tmp_path):
+    path, out = tmp_path / "ckpt", tmp_path / "plain.pt"
+    world(1).run(on_rank_save, str(path), 1)
+    run = subprocess.run([sys.executable, "zero.py", "consolidate", str(path), str(out)], capture_output=True,
+                         text=True, cwd=pathlib.Path(zero.__file__).parent)
+    print(run.stdout, run.stderr)
+    assert run.returncode == 0 and run.stdout.startswith(f"wrote {out}"), run.stderr
+    got, want = torch.load(out, weights_only=True), zero.consolidate(path)
+    assert got["model"].keys() == want["model"].keys()
+    assert all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"])
+    usage = subprocess.run([sys.executable, "zero.py", "consolidate", str(path)], capture_output=True, text=True,
+                           cwd=pathlib.Path(zero.__file__).parent)
+    assert usage.returncode == 1 and "usage: python zero.py consolidate CHECKPOINT_DIR OUT.pt" in usage.stderr
 
 
 def on_rank_load_another_tp_slice(path):
