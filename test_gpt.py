@@ -271,18 +271,20 @@ def _zero_at_tp_clips_by_the_whole_models_norm(tp, stage, norm_type=2.0):
             o.step()
             o.zero_grad()
     print(f"rank {dist.get_rank()}: norms {[f'{n.item():.7f}' for n in norms]} (tp=1, tp={tp}) by step")
-    # the first step's gradients agree with tp=1 to 3e-7 (test above); their norm sums slices'
-    # squares in another order: seen 1 ulp of ~2.9
+    # the first step's gradients agree with tp=1 to 3e-7 (test above); their 2-norm sums slices'
+    # squares in another order: seen 1 ulp of ~2.9 (the +-inf-norm is the largest or smallest of them)
     _close("first step's norm", norms[1], norms[0], rtol=5e-7, atol=0)
     state = zero.full_state_dict(model)
     return norms[1::2], {n: state[n] for n, p in model.named_parameters() if not hasattr(p, "tensor_model_parallel")}
 
 
-@pytest.mark.parametrize("stage, norm_type", [(1, 2.0), (3, 2.0), (3, -math.inf)])
+@pytest.mark.parametrize("stage, norm_type", [(1, 2.0), (3, 2.0), (3, math.inf), (3, -math.inf)],
+                         ids=["1-l2", "3-l2", "3-inf", "3--inf"])
 def test_zero_at_tp_clips_by_the_whole_models_norm(world, stage, norm_type):
     """Each tp rank holds a slice of the split weights: clipping by the slice's norm alone
     would scale each tp rank's step differently, and the replicated weights would drift apart.
-    norm_type -inf (the smallest parameter norm) takes the smallest over the tp ranks."""
+    The inf-norm is the largest over every tp rank's slices (an all-reduce of the max), the
+    -inf-norm (the smallest parameter norm) the smallest."""
     results = _on_ranks(world, 2, _zero_at_tp_clips_by_the_whole_models_norm, stage, norm_type)
     (norms0, replicated0), (norms1, replicated1) = results
     assert all(torch.equal(a, b) for a, b in zip(norms0, norms1)), f"norms differ: {norms0} vs {norms1}"
