@@ -1031,7 +1031,11 @@ def test_training_after_a_backward_that_raised_matches_skipping_the_batch(world,
     for (got, got_live), (want, want_live) in zip(world(2).run(on_rank_backward_that_raised, stage, 1),
                                                   world(2).run(on_rank_backward_that_raised, stage, None)):
         assert torch.equal(got, want), (got, want)
-        assert got_live == want_live, (got_live, want_live)
+        # what each step adds to the live bytes after the first good step (the bad batch comes
+        # after it): measured from before the model, a full-suite run once saw 143 KB that an
+        # earlier test on the same rank had left alive freed during the first step
+        grown, want_grown = [n - got_live[0] for n in got_live], [n - want_live[0] for n in want_live]
+        assert grown == want_grown, (got_live, want_live)
 
 
 def on_rank_dropped_model_is_freed(stage):
