@@ -627,6 +627,51 @@ def test_stage3_keeps_a_group_with_frozen_parameters_while_backward_may_need_it(
         assert torch.equal(got, want), (got, want)
 
 
+
+def on_rank_second_backward_over_one_forward(stage, case):
+    """3 SGD steps, each one forward and two backward passes over its retained graph, through a
+    group that holds a weight backward uses after the group's trainable gradient has arrived
+    (a frozen weight beside a trainable bias; a weight read detached): the losses, the first
+    backward's gradients for the input, and the weights after the steps."""
+    torch.manual_seed(0)
+    mid = ReadsItsWeightDetached(DIM) if case == "weight_read_detached" else FrozenWeightTrainableBias()
+    model, opt = zero.initialize(nn.Sequential(mid, nn.Linear(DIM, 1)), torch.optim.SGD, stage=stage, lr=0.1)
+    losses, input_grads = [], []
+    for step in range(3):
+        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1000 * step + dist.get_rank()))
+        x.requires_grad_()
+        u = x if case in ("leaf_input", "leaf_input_backward_twice") else 2 * x  # u: mid's input
+        loss = model(u).pow(2).mean()
+        if case == "leaf_input_backward_twice":
+            loss.backward(retain_graph=True)
+            gx = x.grad
+        elif case == "input_penalty":  # reaches mid's input, and no module: no hook of zero's runs
+            gx, = torch.autograd.grad(u.pow(3).sum(), x, retain_graph=True)
+        else:  # the input's gradient (adversarial training), then the parameters' from the same graph
+            gx, = torch.autograd.grad(loss, x, retain_graph=True)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        input_grads.append(gx.clone())
+    return torch.stack(losses), torch.stack(input_grads), zero.full_state_dict(model)
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("case", ["leaf_input", "leaf_input_backward_twice", "weight_read_detached", "input_penalty"])
+def test_stage3_keeps_a_group_with_frozen_parameters_in_a_second_backward_over_one_graph(world, case):
+    """A backward over a retained graph reaches the same calls again: a call whose inputs cannot
+    say when backward is done with it (a leaf input; a weight read detached, learnt in the first
+    forward) keeps its group in the second backward as in the first, and a backward that reached
+    a call's inputs but no hook of zero's (torch.autograd.grad of a penalty on the input) leaves
+    no mark on the call for the next one. The gradients' results torch.equal to stage 0's."""
+    want = world(2).run(on_rank_second_backward_over_one_forward, 0, case)
+    for (losses, grads, state), (want_losses, want_grads, want_state) in \
+            zip(world(2).run(on_rank_second_backward_over_one_forward, 3, case), want):
+        assert torch.equal(losses, want_losses), (losses, want_losses)
+        assert torch.equal(grads, want_grads)
+        assert state.keys() == want_state.keys() and all(torch.equal(state[k], want_state[k]) for k in state), case
+
 def on_rank_reentrant_checkpoint_of_a_shared_block(stage):
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())

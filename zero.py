@@ -1453,6 +1453,8 @@ class ShardedParameters:
             out = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and
                            t.untyped_storage()._cdata in held else t, out)
         call = self.calls[id(gids)].pop()
+        if call is None and torch.is_grad_enabled() and not self.detached.isdisjoint(gids):
+            call = _PINNED  # a weight read detached in this forward, the first (see _read)
         for g in gids:
             self.refcount[g] -= 1
         if not self.gradients.in_backward:  # a forward recomputed in backward (P_a) keeps them for backward
@@ -1468,8 +1470,10 @@ class ShardedParameters:
         holding a frozen parameter (or one read detached), in a forward that builds a graph: this
         call's record, [reached by backward, inputs' gradients in], with its inputs watched. A
         call whose inputs cannot say it (none needs a gradient; a leaf, whose gradient autograd
-        takes first; a tensor inside an object pytree does not flatten) keeps its groups to the
-        end of backward."""
+        takes first; a tensor inside an object pytree does not flatten) is _PINNED: it keeps its
+        groups to the end of the backward that follows this forward, and of every backward that
+        reaches it (over a retained graph: loss.backward(retain_graph=True) twice, or
+        torch.autograd.grad(loss, x, retain_graph=True) before loss.backward())."""
         if not torch.is_grad_enabled() or all(p.requires_grad and g not in self.detached
                                               for g in gids for p in self.groups[g]):
             return None
@@ -1478,14 +1482,18 @@ class ShardedParameters:
         if not inputs or any(t.grad_fn is None for t in inputs) or any(_holds_tensors(t) for t in leaves):
             for g in gids:
                 self.pinned[g] = True
-            return None
+            return _PINNED
         call = [False, False]
         torch.autograd.graph.register_multi_grad_hook(
             inputs, functools.partial(_call_weakly, weakref.WeakMethod(self._inputs_done), gids, call))
         return call
 
     def _inputs_done(self, gids, call, grads):
-        if call[1]:
+        """The call's inputs have their gradients. Not counted in a backward that no hook of
+        zero's has begun (torch.autograd.grad of a penalty on a module's input, reaching no
+        module): no end of backward would clear its mark, and the next backward over the
+        retained graph would take the call as done before it reached the call."""
+        if call[1] or not self.gradients.in_backward:
             return
         call[1] = True  # (before it was reached: the module passed an input through as an output)
         self.calls_seen.append(call)
@@ -1518,7 +1526,10 @@ class ShardedParameters:
             self.gradients.begin(any(torch._C._will_engine_execute_node(get_gradient_edge(p).node)
                                      for p in trainable if p.requires_grad))
         self._gather(gids)
-        if call == [False, False]:  # reached (once per call, whatever its number of outputs)
+        if call is _PINNED:  # kept to the end of each backward that reaches it (see _watch_inputs)
+            for g in gids:
+                self.pinned[g] = True
+        elif call == [False, False]:  # reached (once per call, whatever its number of outputs)
             call[0] = True
             self.calls_seen.append(call)
             for g in gids:
@@ -1552,7 +1563,7 @@ class ShardedParameters:
     def _new_backward(self):
         self.grads_left = None
         self.inputs_left = [0] * len(self.groups)  # calls reached whose inputs' gradients are to come
-        self.pinned = [False] * len(self.groups)  # kept to the end of backward (see _watch_inputs)
+        self.pinned = [False] * len(self.groups)  # kept to the end of backward (see _watch_inputs, _PINNED)
         for call in self.calls_seen:  # a retained graph's next backward reaches them again
             call[:] = [False, False]
         self.calls_seen = []
@@ -1561,6 +1572,9 @@ class ShardedParameters:
         self.after_step()  # free every group, prefetched ones included
         self._new_backward()
 
+
+# a call of a module whose inputs cannot say when backward is done with it (see _watch_inputs)
+_PINNED = "pinned"
 
 # what code may do with a freed parameter: read or set its metadata, make a new tensor like it
 _METADATA = {"__get__", "__set__", "__hash__", "untyped_storage", "size", "numel", "dim", "stride", "element_size",
