@@ -1083,6 +1083,81 @@ def test_training_after_a_backward_that_raised_matches_skipping_the_batch(world,
         assert grown == want_grown, (got_live, want_live)
 
 
+class Interrupt(BaseException):  # as KeyboardInterrupt: not an Exception
+    pass
+
+
+class RaisingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.error = nn.Linear(DIM, DIM), None
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        if self.error is not None:  # after its weights were read, with the next unit prefetched
+            raise self.error
+        return h
+
+
+def on_rank_forward_that_raised(stage, error, raise_at):
+    """Losses, evaluation outputs and live bytes of 4 steps of good batches; before step raise_at
+    (0: the first forward; 2: a later one) a bad batch's forward raises `error` on every rank
+    from the third block (a stage-3 unit, the next one prefetched), is caught, and the
+    gradients are zeroed. Also the live bytes the bad batch left and whether a TorchFunctionMode
+    stayed active. None: no bad batch."""
+    before = settled(lambda: zero.live_tensor_bytes())
+    torch.manual_seed(0)
+    model = nn.Sequential(*[RaisingBlock() for _ in range(4)], nn.Linear(DIM, 1))
+    units = dict(stage3_units=list(model[:4]), prefetch=1) if stage == 3 else {}
+    model, opt = zero.initialize(model, torch.optim.AdamW, stage=stage, bucket_numel=40, lr=1e-2, **units)
+    losses, outputs, live, left, modes = [], [], [], None, 0
+    for step in range(4):
+        if step == raise_at:
+            start = settled(lambda: zero.live_tensor_bytes())
+            bad = torch.randn(4, DIM, generator=torch.Generator().manual_seed(77 + dist.get_rank()))
+            model[2].error = error()
+            try:
+                model(bad).pow(2).mean().backward()
+            except error:
+                pass
+            model[2].error = None
+            del bad
+            opt.zero_grad()
+            modes = torch._C._len_torch_function_stack()
+            left = settled(lambda: zero.live_tensor_bytes()) - start
+        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1000 * step + dist.get_rank()))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            outputs.append(model(x))
+        losses.append(loss.detach())
+        live.append(settled(lambda: zero.live_tensor_bytes()) - before)
+    while torch._C._len_torch_function_stack():  # (one left active would fail every later test here)
+        torch._C._pop_torch_function_stack()
+    return torch.stack(losses), torch.stack(outputs), live, left, modes
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("raise_at", [0, 2])
+@pytest.mark.parametrize("error", [BadBatch, Interrupt])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_training_after_a_forward_that_raised_matches_skipping_the_batch(world, stage, error, raise_at):
+    """A forward that raised leaves nothing behind once zero_grad() is called: stage 3 frees the
+    unit it prefetched, and a BaseException that is not an Exception (KeyboardInterrupt), for
+    which Module.__call__ runs no always_call hook, leaves no module counted as running (whose
+    parameters stage 3 would then never free) and no first-forward TorchFunctionMode active."""
+    for got, want in zip(world(2).run(on_rank_forward_that_raised, stage, error, raise_at),
+                         world(2).run(on_rank_forward_that_raised, stage, None, None)):
+        print(f"losses {got[0].tolist()}, live {got[2]} (skipped: {want[2]}), left by the bad batch {got[3]} "
+              f"bytes, modes active {got[4]}")
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (got[:2], want[:2])
+        # what each step adds to the live bytes after the first good step (see the test above)
+        grown, want_grown = [n - got[2][0] for n in got[2]], [n - want[2][0] for n in want[2]]
+        assert grown == want_grown and got[3] == 0 and got[4] == 0, (got[2:], want[2:])
+
+
 def on_rank_dropped_model_is_freed(stage):
     import weakref
     before = zero.live_storages()

@@ -796,6 +796,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("zero_grad(set_to_none=False) would keep zeroed p.grad tensors, but p.grad stays None at "
                              "every stage (the gradients live in zero's buffers): call optimizer.zero_grad()")
         self._free_grads()
+        self.parameters.end_raised_forward()  # (a KeyboardInterrupt's; see there)
         self.gradients.zero_grad()
         self.overflow = False
 
@@ -1104,6 +1105,14 @@ class FlatParameters:
         self.wait()
         return type(module).named_parameters(module, *args, **kwargs)
 
+    def end_raised_forward(self):
+        """End a first forward that a BaseException other than an Exception (KeyboardInterrupt)
+        stopped: Module.__call__ runs always_call hooks on an Exception only, so its
+        ParameterReads is still active. It learns the reads so far, as one that raised an
+        Exception does. At zero_grad()."""
+        if self.reads is not None:
+            self._learn_ends()
+
     def _start_reading(self):
         if self.ends is None and self.reads is None:
             self.wait()  # the first forward waits for everything and learns what each module reads
@@ -1259,7 +1268,9 @@ class ShardedParameters:
             m.register_forward_hook(lambda mod, args, out, gids=gids: self._post_forward(gids, out), always_call=True)
         for m in module.modules():  # a module inside a unit too: its parameters are freed with the unit's
             m.register_state_dict_pre_hook(self._refuse_state_dict)
-        module.register_forward_hook(lambda mod, args, out: self._end_forward())
+        # always_call: a forward that raised frees the groups it prefetched too
+        module.register_forward_hook(lambda mod, args, out: self._end_forward(), always_call=True)
+        module.register_forward_hook(lambda mod, args, out: self._learn_order())  # (a forward that raised: not all)
         module.register_forward_pre_hook(lambda mod, args: self._start_reading(), prepend=True)
         module.register_forward_hook(lambda mod, args, out: self._stop_reading(), always_call=True)
 
@@ -1411,6 +1422,18 @@ class ShardedParameters:
                            f"self.emb.weight, then self.head(h)), make a module around both a unit "
                            f"(stage3_units=[...]), or register a forward hook that reads it with prepend=True")
 
+    def end_raised_forward(self):
+        """End a forward that a BaseException other than an Exception (KeyboardInterrupt)
+        stopped: Module.__call__ runs always_call hooks on an Exception only, so the modules it
+        stopped in still count as running (their groups would never be freed again) and the
+        first forward's check is still active. At zero_grad(), when no module runs (not at the
+        next forward's start: the root module may call itself)."""
+        self._stop_reading()
+        if any(self.refcount) or any(self.calls.values()):
+            self.refcount = [0] * len(self.groups)
+            self.calls.clear()
+            self._end_forward()
+
     def _start_reading(self):
         if not self.order_known and self.reads is None:
             self.reads = ParameterReads(self._read)
@@ -1424,10 +1447,12 @@ class ShardedParameters:
 
     def _end_forward(self):
         """Free what no module holds: the shared groups, and groups prefetched for a module
-        this forward skipped (an evaluation that leaves out a branch)."""
+        this forward skipped (an evaluation that leaves out a branch) or never reached (it raised)."""
         self._finish_prefetch()
         self._release(range(len(self.groups)) if not self.gradients.in_backward else self.shared)
-        self.order_known = True  # the units' order, from the first forward
+
+    def _learn_order(self):
+        self.order_known = True  # the units' order, from the first forward that ran to its end
 
     def _pre_forward(self, gids, args, kwargs):
         self.calls[id(gids)].append(self._watch_inputs(gids, args, kwargs))  # (popped even if the gather raises)
