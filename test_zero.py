@@ -784,6 +784,44 @@ def test_stage3_rank_that_stops_gathering_is_caught_by_the_timeout(world):
     assert "not every rank reached a gather within 3 s" in message and "a" in message, message
 
 
+def on_rank_training_after_a_branch_error(bad_batch):
+    """Losses and live bytes of 3 steps on every rank without the branch; bad_batch: first a
+    forward that takes it on rank 0 only, whose error is caught (no zero_grad: there are no
+    gradients to drop)."""
+    torch.manual_seed(0)
+    model, opt = zero.initialize(Branchy(), torch.optim.SGD, stage=3, lr=0.1, check_timeout=3)
+    if bad_batch:
+        try:
+            model(torch.randn(4, DIM), dist.get_rank() == 0)
+        except RuntimeError as e:
+            assert "ranks gather different modules" in str(e), e
+    losses, live = [], []
+    for step in range(3):
+        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1000 * step + dist.get_rank()))
+        loss = model(x, False).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            model(x, False)
+        losses.append(loss.detach())
+        live.append(settled(lambda: zero.live_tensor_bytes()))
+    return torch.stack(losses), live
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage3_training_after_a_caught_branch_error_matches_skipping_the_batch(world):
+    """The gather that raised was never counted as running: the post-forward hook, which runs
+    anyway, must not count it down (a module counted below 0 stays gathered after its forward on
+    that rank alone, which then skips the gather, and its check, that the others make)."""
+    for (got, got_live), (want, want_live) in zip(world(2).run(on_rank_training_after_a_branch_error, True),
+                                                  world(2).run(on_rank_training_after_a_branch_error, False)):
+        print(f"losses {got.tolist()}, live {got_live} (skipped: {want_live})")
+        assert torch.equal(got, want), (got, want)
+        grown, want_grown = [n - got_live[0] for n in got_live], [n - want_live[0] for n in want_live]
+        assert grown == want_grown, (got_live, want_live)
+
+
 # -----------------------------------------------------------------------------------------
 # The module's own state_dict, load_state_dict and conversions would go around the shards:
 # module.state_dict() at stage 3 would copy freed storage (a crash or garbage); load_state_dict

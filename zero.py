@@ -1455,10 +1455,12 @@ class ShardedParameters:
         self.order_known = True  # the units' order, from the first forward that ran to its end
 
     def _pre_forward(self, gids, args, kwargs):
-        self.calls[id(gids)].append(self._watch_inputs(gids, args, kwargs))  # (popped even if the gather raises)
-        self._gather(gids)
+        # counted (and the call recorded) before the gather: the post-forward hook, which runs also
+        # when the gather raises (the ranks' check), counts it down and pops it
+        self.calls[id(gids)].append(self._watch_inputs(gids, args, kwargs))
         for g in gids:
             self.refcount[g] += 1
+        self._gather(gids)
         if not self.order_known and id(gids) not in self.unit_position:
             self.unit_position[id(gids)] = len(self.unit_order)
             self.unit_order.append(gids)
