@@ -1404,6 +1404,36 @@ def test_stage3_returned_parameter_views_weight_norm_hooks_and_input_gradients_m
         assert all(torch.equal(a, b) for a, b in zip(g, w))
 
 
+def on_rank_functional_call_first(stage):
+    """A first forward under torch.func.functional_call with copies of the weights (its input
+    gradients by autograd.grad), then 2 SGD steps: the losses, gradients and final weights."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    model, opt = zero.initialize(mlp, torch.optim.SGD, stage=stage, bucket_numel=64, lr=0.1)
+    g, out = torch.Generator().manual_seed(dist.get_rank()), []
+    copies = {n: w.clone().requires_grad_() for n, w in zero.full_state_dict(model).items()}
+    loss = torch.func.functional_call(model, copies, (torch.randn(4, 8, generator=g),)).square().mean()
+    out += [loss.detach(), *torch.autograd.grad(loss, list(copies.values()))]
+    for step in range(2):
+        loss = model(torch.randn(4, 8, generator=g)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.detach())
+    return out + list(zero.full_state_dict(model).values())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_functional_call_in_the_first_forward_matches_stage0(world, stage):
+    """torch.func.functional_call swaps other tensors into the modules' parameters; at stages 1-2
+    the end of the first forward, which learns each module's wait point from its own parameters,
+    looked those up in the flat layout (a KeyError naming a tensor). Every loss, gradient and
+    final weight equals stage 0's bit for bit."""
+    want = world(2).run(on_rank_functional_call_first, 0)
+    got = world(2).run(on_rank_functional_call_first, stage)
+    assert all(all(torch.equal(a, b) for a, b in zip(g, w)) for g, w in zip(got, want))
+
+
 def on_rank_compiled_losses(stage):
     """Losses and final weights of 4 SGD steps, eager and under torch.compile(model), rank 1 0.2 s
     late to each step (so that rank 0's forward finds stages 1-2's all-gathers in flight)."""

@@ -1087,6 +1087,10 @@ class FlatParameters:
         self.reads, self.read_ends = None, {}  # in the first forward: how far each module's code read
         self.ends = None  # then: each module's wait point
         if gather_after_step:
+            # the end of each module's own parameters, as initialize found them: in a forward under
+            # torch.func.functional_call, m.parameters() are the tensors it swapped in
+            self.own_end = {m: max((partition.offsets[partition.index[p]] + p.numel() for p in m.parameters(recurse=False)),
+                                   default=0) for m in module.modules()}
             for m in module.modules():
                 if next(m.parameters(), None) is not None:  # a module with no parameter below reads none
                     # prepend: before a pre-hook the module had already (weight_norm's reads the weights)
@@ -1145,11 +1149,10 @@ class FlatParameters:
             return
         self.reads.__exit__(None, None, None)
         self.reads = None
-        part, ran = self.partition, self.read_ends
+        ran = self.read_ends
 
         def end(m):
-            own = [part.offsets[part.index[p]] + p.numel() for p in m.parameters(recurse=False)]
-            return max(own + [end(c) for c in m.children() if c not in ran], default=0)
+            return max([self.own_end.get(m, 0)] + [end(c) for c in m.children() if c not in ran])
 
         self.ends = {m: max(read, end(m)) for m, read in ran.items()}
 
