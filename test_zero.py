@@ -1761,6 +1761,12 @@ def on_rank_bad_inputs():
         "create_graph=True .* use stage 2": _gradient_penalty_at_stage3,
         "parameter 0.weight is laid out already by zero.initialize of another module": _a_parameter_in_two_models,
         "sparse gradient .* sparse=False": _a_sparse_gradient,
+        # a parametrization after initialize moved the weight out of zero's buffers: stage 3 trained on NaN,
+        # stages 0-2 on a copy the step never updated
+        "as ParametrizationList.original would move it out of zero's buffers": lambda: (
+            torch.nn.utils.parametrizations.orthogonal(
+                zero.initialize(nn.Linear(2, 2), torch.optim.SGD, stage=3, lr=0.1)[0])),
+        "registering it as Linear.weight .* tie weights before zero.initialize": _a_tie_after_initialize,
         "bucket_numel must be an int.* \\(got 500000000.0\\)": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.AdamW, stage=1, bucket_numel=5e8),
         "param_groups must be \\[\\{'params': \\[...\\], \\*\\*options\\}, ...\\]": lambda: zero.initialize(
@@ -1801,6 +1807,12 @@ def _a_parameter_in_two_models():
     a, opt_a = zero.initialize(a, torch.optim.SGD, stage=1, lr=0.1)
     b, opt_b = zero.initialize(b, torch.optim.SGD, stage=1, lr=0.1)
     a(torch.ones(1, 2)).sum().backward()
+
+
+def _a_tie_after_initialize():
+    model, opt = zero.initialize(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), torch.optim.SGD, stage=1, lr=0.1)
+    model[0].weight = model[0].weight  # (the same parameter under its own name: nothing changes)
+    model[1].weight = model[0].weight
 
 
 def _a_sparse_gradient():

@@ -1848,6 +1848,21 @@ def _refuse_load_state_dict(*args):
                        "restore a zero checkpoint with zero.load_checkpoint(path, model, optimizer)")
 
 
+def _refuse_registration(module, name, param):
+    """A hook on every module's register_parameter (torch's global one): a parameter zero laid out
+    registered again after zero.initialize. torch's parametrizations (register_parametrization,
+    orthogonal, weight_norm, spectral_norm) re-register it after moving its data out of zero's
+    buffers with set_(), and a tie made now would hand one module another's shard."""
+    if getattr(param, "_zero_laid_out", False) and module._parameters.get(name) is not param:
+        raise RuntimeError(f"{type(param).__name__} {tuple(param.shape)} is laid out by zero.initialize, and "
+                           f"registering it as {type(module).__name__}.{name} would move it out of zero's buffers "
+                           f"(a parametrization) or tie it anew: register parametrizations and tie weights before "
+                           f"zero.initialize")
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_refuse_registration)
+
+
 def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
            loss_scale, prefetch, reduction, init_fn, tp_group, optimizer_kwargs):
     """Bad input: a clear error that names the fix."""
