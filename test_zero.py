@@ -1145,7 +1145,6 @@ def on_rank_forward_that_raised(stage, error, raise_at):
     from the third block (a stage-3 unit, the next one prefetched), is caught, and the
     gradients are zeroed. Also the live bytes the bad batch left and whether a TorchFunctionMode
     stayed active. None: no bad batch."""
-    before = settled(lambda: zero.live_tensor_bytes())
     torch.manual_seed(0)
     model = nn.Sequential(*[RaisingBlock() for _ in range(4)], nn.Linear(DIM, 1))
     units = dict(stage3_units=list(model[:4]), prefetch=1) if stage == 3 else {}
@@ -1174,7 +1173,7 @@ def on_rank_forward_that_raised(stage, error, raise_at):
             outputs.append(model(x))
         losses.append(loss.detach())
         if step in (0, 3):  # (a walk over every live tensor: after the first good step and the last)
-            live.append(settled(lambda: zero.live_tensor_bytes()) - before)
+            live.append(settled(lambda: zero.live_tensor_bytes()))
     while torch._C._len_torch_function_stack():  # (one left active would fail every later test here)
         torch._C._pop_torch_function_stack()
     return torch.stack(losses), torch.stack(outputs), live, left, modes
