@@ -785,6 +785,13 @@ def test_stage3_rank_that_stops_gathering_is_caught_by_the_timeout(world):
     assert "not every rank reached a gather within 3 s" in message and "a" in message, message
 
 
+def growth(live):
+    """What each reading of the live bytes adds to the first: the tests of a bad batch compare this
+    with skipping the batch, not the bytes since before the model, which a full-suite run once saw
+    143 KB below (an earlier test on the same rank left them alive, freed during the first step)."""
+    return [n - live[0] for n in live]
+
+
 def on_rank_training_after_a_branch_error(bad_batch):
     """Losses and live bytes of 3 steps on every rank without the branch; bad_batch: first a
     forward that takes it on rank 0 only, whose error is caught (no zero_grad: there are no
@@ -819,8 +826,7 @@ def test_stage3_training_after_a_caught_branch_error_matches_skipping_the_batch(
                                                   world(2).run(on_rank_training_after_a_branch_error, False)):
         print(f"losses {got.tolist()}, live {got_live} (skipped: {want_live})")
         assert torch.equal(got, want), (got, want)
-        grown, want_grown = [n - got_live[0] for n in got_live], [n - want_live[0] for n in want_live]
-        assert grown == want_grown, (got_live, want_live)
+        assert growth(got_live) == growth(want_live), (got_live, want_live)
 
 
 # -----------------------------------------------------------------------------------------
@@ -1080,7 +1086,6 @@ def on_rank_backward_that_raised(stage, raise_at):
     """Losses and live bytes of 3 steps of good batches; at step raise_at a backward raises on
     every rank from a tensor hook deep inside the model (after some buckets were reduced), the
     error is caught and the gradients zeroed. None: the bad batch is skipped."""
-    before = settled(lambda: zero.live_tensor_bytes())
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(4)], nn.Linear(DIM, 1))
     model, opt = zero.initialize(model, torch.optim.AdamW, stage=stage, bucket_numel=40, lr=1e-2)
@@ -1103,7 +1108,7 @@ def on_rank_backward_that_raised(stage, raise_at):
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-        live.append(settled(lambda: zero.live_tensor_bytes()) - before)
+        live.append(settled(lambda: zero.live_tensor_bytes()))
     return torch.stack(losses), live
 
 
@@ -1115,11 +1120,7 @@ def test_training_after_a_backward_that_raised_matches_skipping_the_batch(world,
     for (got, got_live), (want, want_live) in zip(world(2).run(on_rank_backward_that_raised, stage, 1),
                                                   world(2).run(on_rank_backward_that_raised, stage, None)):
         assert torch.equal(got, want), (got, want)
-        # what each step adds to the live bytes after the first good step (the bad batch comes
-        # after it): measured from before the model, a full-suite run once saw 143 KB that an
-        # earlier test on the same rank had left alive freed during the first step
-        grown, want_grown = [n - got_live[0] for n in got_live], [n - want_live[0] for n in want_live]
-        assert grown == want_grown, (got_live, want_live)
+        assert growth(got_live) == growth(want_live), (got_live, want_live)
 
 
 class Interrupt(BaseException):  # as KeyboardInterrupt: not an Exception
@@ -1192,9 +1193,8 @@ def test_training_after_a_forward_that_raised_matches_skipping_the_batch(world, 
             print(f"{error.__name__} before step {raise_at}: losses {got[0].tolist()}, live {got[2]} (skipped: "
                   f"{want[2]}), left by the bad batch {got[3]} bytes, modes active {got[4]}")
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (error, raise_at, got[:2], want[:2])
-            # what each step adds to the live bytes after the first good step (see the test above)
-            grown, want_grown = [n - got[2][0] for n in got[2]], [n - want[2][0] for n in want[2]]
-            assert grown == want_grown and got[3] == 0 and got[4] == 0, (error, raise_at, got[2:], want[2:])
+            assert growth(got[2]) == growth(want[2]) and got[3] == 0 and got[4] == 0, \
+                (error, raise_at, got[2:], want[2:])
 
 
 def on_rank_dropped_model_is_freed(stage):
