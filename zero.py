@@ -1092,7 +1092,9 @@ class FlatParameters:
             self.own_end = {m: max((partition.offsets[partition.index[p]] + p.numel() for p in m.parameters(recurse=False)),
                                    default=0) for m in module.modules()}
             for m in module.modules():
-                if next(m.parameters(), None) is not None:  # a module with no parameter below reads none
+                # a module with no parameter below reads none; torch.compile's wrapper (compiled before
+                # zero.initialize) only calls the module it wraps, whose hooks run inside the compiled code
+                if next(m.parameters(), None) is not None and not isinstance(m, torch._dynamo.eval_frame.OptimizedModule):
                     # prepend: before a pre-hook the module had already (weight_norm's reads the weights)
                     m.register_forward_pre_hook(lambda mod, args: self._pre_forward(mod), prepend=True)
                     m.register_forward_hook(lambda mod, args, out: self._post_forward(), always_call=True)
