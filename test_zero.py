@@ -1812,6 +1812,13 @@ def on_rank_bad_inputs():
             nn.Linear(2, 2), torch.optim.AdamW, stage=1)[1].add_param_group({"params": [torch.zeros(2)]}),
         "with fp16 loss scaling, call optimizer.backward\\(loss\\) instead of loss.backward\\(\\)":
             _loss_backward_with_fp16_loss_scaling,
+        # max_norm renormalises looked-up rows by writing into the weight in forward: stage 3 wrote a gathered
+        # copy it then freed, a 16-bit param_dtype one the fp32 master overwrote (training differed silently)
+        "0 is an nn.Embedding with max_norm=1.0, .* at stage 3 .* max_norm=None": lambda: zero.initialize(
+            nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 1)), torch.optim.SGD, stage=3, lr=0.1),
+        "emb is an nn.EmbeddingBag with max_norm=2.0, .* param_dtype=torch.bfloat16 .* max_norm=None": lambda: (
+            zero.initialize(nn.ModuleDict({"emb": nn.EmbeddingBag(10, 4, max_norm=2.0)}), torch.optim.SGD,
+                            stage=1, param_dtype=torch.bfloat16, lr=0.1)),
     }
     return missed_errors(cases, (TypeError, ValueError, RuntimeError), match=re.search)
 

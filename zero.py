@@ -1938,6 +1938,16 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
             raise ValueError(f"parameter {name} is {p.dtype} on {p.device} but others are {params[0].dtype} "
                              f"on {params[0].device}: move the module to one dtype and device first "
                              f"(for mixed precision keep it fp32 and pass param_dtype)")
+    for name, m in module.named_modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None and (
+                stage == 3 or param_dtype in (torch.bfloat16, torch.float16)):
+            where = "at stage 3 into a gathered copy, freed after the forward" if stage == 3 else \
+                f"with param_dtype={param_dtype} into a 16-bit copy, which the step overwrites from the fp32 master"
+            raise ValueError(f"{name or 'the module'} is an nn.{type(m).__name__} with max_norm={m.max_norm}, which "
+                             f"renormalises the rows it looks up by writing into its weight during forward, outside "
+                             f"the optimizer: here it would write {where}, and the renormalisation would be lost "
+                             f"without a word. Build it with max_norm=None (scale the looked-up rows out of place "
+                             f"if you need the bound), or train it in fp32 at stages 0-2")
     if param_groups is not None:
         listed = [p for g in param_groups for p in g["params"]]
         if len(listed) != len(set(listed)) or set(listed) - set(params):
