@@ -906,10 +906,16 @@ def on_rank_stage3_parameters_read_outside_forward():
     with torch.no_grad():  # a stand-in holds no values: writing into one changes no weight
         for p in model.parameters():
             try:
-                p.fill_(0.0)
-            except RuntimeError:  # (one of more than one element refuses writes)
+                p.fill_(0.0)  # (fill_ and zero_ reach the one element the stand-ins share)
+            except RuntimeError:  # (other writes into one of more than one element raise inside torch)
                 pass
     problems += compare("after writes into stand-ins", zero.full_state_dict(model), before)
+    x, y = batch(2)  # the next step would lose the writes: it raises, naming the fix
+    F.cross_entropy(model(x, True, True).view(-1, VOCAB), y.view(-1)).backward()
+    problems += missed_errors({"set the values before zero.initialize": opt.step}, RuntimeError)
+    opt.zero_grad()
+    problems += [f"{n} reads {p.flatten()[:2].tolist()} after the refused step"
+                 for n, p in model.named_parameters() if not p.isnan().all()]
     small, _ = zero.initialize(nn.Sequential(nn.Linear(4, 4), nn.PReLU(), nn.Linear(4, 2)), torch.optim.SGD,
                                stage=3, lr=0.1)
     with torch.no_grad():
@@ -1307,6 +1313,74 @@ def test_stage1_2_parameters_listed_after_step_are_the_stepped_weights(world, st
     """step() leaves the all-gather of the updated chunks in flight (the next forward waits for
     it); model.parameters() and named_parameters(), of the model or a submodule, wait too."""
     assert world(2).run(on_rank_parameters_read_right_after_step, stage) == [[], []]
+
+
+def on_rank_writes_into_parameters_between_steps(stage):
+    """Writes into the parameters between steps, as training code makes them: WGAN's weight
+    clipping over model.parameters() and a re-initialisation by model.apply() after
+    optimizer.wait_params(), every step, with every rank fed the same batch, so that plain
+    torch on one process (SGD with momentum) gives the same bits; then what cannot work must
+    raise naming the fix: at stages 1-2 a write through an attribute right after step(),
+    which the all-gather in flight overwrote; a parameter given new storage
+    (vector_to_parameters), which the step would not update; at stage 3 a write outside the
+    forward, where the parameter is a stand-in holding no values."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def zero_bias(m):
+        if isinstance(m, nn.Linear):
+            nn.init.zeros_(m.bias)
+
+    def run(model, opt, steps, write):
+        for step in range(steps):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            write(model, opt, step)
+
+    def nothing(model, opt, step):
+        pass
+
+    def clip_and_reset(model, opt, step):
+        with torch.no_grad():
+            for p in model.parameters():  # (waits for the all-gather in flight)
+                p.clamp_(-0.1, 0.1)
+            if step == 1:
+                getattr(opt, "wait_params", lambda: None)()  # (zero's; torch's optimizer has none)
+                model.apply(zero_bias)
+
+    problems = []
+    if stage < 3:
+        plain = build()
+        run(plain, torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9), 4, clip_and_reset)
+        model, opt = zero.initialize(build(), torch.optim.SGD, stage=stage, lr=0.5, momentum=0.9)
+        run(model, opt, 4, clip_and_reset)
+        problems += compare("clipped", zero.full_state_dict(model), dict(plain.state_dict()))
+    if stage in (1, 2):
+        model, opt = zero.initialize(build(), torch.optim.SGD, stage=stage, lr=0.5)
+        run(model, opt, 1, lambda model, opt, step: model.apply(zero_bias))  # (apply does not wait)
+        problems += missed_errors({"call optimizer.wait_params() after step()": lambda: run(model, opt, 1, nothing)},
+                                  RuntimeError)
+    model, opt = zero.initialize(build(), torch.optim.SGD, stage=stage, lr=0.5)
+    if stage == 3:
+        run(model, opt, 1, lambda model, opt, step: model.apply(zero_bias))
+        problems += missed_errors({"at stage 3 a parameter holds": lambda: run(model, opt, 1, nothing)}, RuntimeError)
+        model, opt = zero.initialize(build(), torch.optim.SGD, stage=stage, lr=0.5)
+    params = list(model.parameters())
+    torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(params).clamp(-0.1, 0.1), params)
+    problems += missed_errors({"set them before zero.initialize": lambda: run(model, opt, 1, nothing)}, RuntimeError)
+    return problems
+
+
+@pytest.mark.xdist_group("world2b")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_writes_into_parameters_between_steps_are_kept_or_name_the_fix(world, stage):
+    """At stages 0-2 in fp32 the parameters are the weights the optimizer steps: a write into
+    them between steps is trained on, as with torch.optim; a write the all-gather in flight, the
+    step or stage 3's gather would lose raises, naming the fix."""
+    assert world(2).run(on_rank_writes_into_parameters_between_steps, stage) == [[], []]
 
 
 class ReadsAChildsWeight(nn.Module):

@@ -544,6 +544,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gradients.require_scaled_backward = self.scaler is not None
         self.clean_steps, self.norm_plan = 0, None
         self.zero_grad()
+        self.written_since_step()  # (the versions the parameters start at)
         # torch.optim.Optimizer's hook registries: register_step_pre_hook/post_hook run around step()
         for kind in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
                      "load_state_dict_post"):
@@ -758,6 +759,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise TypeError("step() takes no closure: run the forward and backward (optimizer.backward(loss) "
                             "for fp16) before optimizer.step(), which returns False where fp16 skipped the step")
         self.parameters.wait()  # stages 1-2: last step's all-gather, if no forward waited for it
+        self._refuse_lost_writes()
         self._reduce()
         self.gradients.stepped = True  # this step's gradients are used: the next backward needs zero_grad()
         if self.overflow:  # (loss scaling only) skipped on every rank, the scale backed off
@@ -783,7 +785,44 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.master is not None:  # fp32 master -> the 16-bit parameters
             self.parameters.copy_owned(self.owned, self.master)
         self.parameters.after_step()
+        self.written_since_step()
         return True
+
+    def written_since_step(self):
+        """The names of the parameters written in place through the Parameter (p.clamp_(),
+        p.copy_(), nn.init.*_(p)) since the last step, zero.initialize or load_checkpoint; their
+        versions recorded anew. (zero's own writes go through its buffers, not the Parameter, so
+        they change no version; a write through p.data cannot be seen.)"""
+        versions = [p._version for p in self.partition.params]
+        seen, self.versions = getattr(self, "versions", versions), versions
+        return [self.names[p] for p, a, b in zip(self.partition.params, seen, versions) if a != b]
+
+    def _refuse_lost_writes(self):
+        """A write into the parameters between steps (WGAN's p.clamp_(), a re-initialisation) is
+        kept where the parameters are the weights the optimizer steps: fp32 at stages 0-2. With
+        an fp32 master (Section 3.1) the step copies the master over it; at stage 3 a parameter
+        outside its module's forward is a stand-in (the write changed no weight), inside it the
+        gathered copy that is freed after (its shard never sees the write). Either way the write
+        would be lost, so it is refused; and so is a parameter given new storage (p.data = t,
+        torch.nn.utils.vector_to_parameters), which the step would no longer update."""
+        moved = [self.names[p] for p in self.partition.params if not self.parameters.holds(p)]
+        if moved:
+            raise RuntimeError(f"{moved[:3]} no longer lie in zero's buffers (p.data = t, or "
+                               f"torch.nn.utils.vector_to_parameters, gave them new storage), so the step would "
+                               f"not update them: write values into the parameters in place (p.copy_(t)), or set "
+                               f"them before zero.initialize")
+        written = self.written_since_step()
+        if written and self.parameters.in_own_space:
+            self.parameters.refill_stand_ins()
+        if written and (self.master is not None or self.parameters.in_own_space):
+            why = (f"the step would overwrite them with the fp32 master weights (param_dtype="
+                   f"{self.precision.param_dtype})" if self.master is not None else
+                   "at stage 3 a parameter holds this rank's values only as its shard, which such a write does "
+                   "not reach (outside its module's forward it changed no weight)")
+            raise RuntimeError(f"{written[:3]} were written in place since the last step, but {why}: set the "
+                               f"values before zero.initialize, restore them with zero.load_checkpoint, or write "
+                               f"parameters between steps at stages 0-2 without param_dtype (fp32, where the "
+                               f"parameters are the weights the optimizer steps)")
 
     def _free_grads(self):
         """The step's gradients are used (or dropped): the next step reduces and clips anew."""
@@ -1083,7 +1122,9 @@ class FlatParameters:
     def __init__(self, partition, module, dtype, gather_after_step):
         self.partition, self.gather_after_step = partition, gather_after_step
         self.flat = torch.zeros(partition.padded_numel, dtype=dtype, device=partition.device)
-        self.in_flight = []  # (flat start, work) of the all-gathers step() left in flight
+        self.in_flight = []  # (flat start, work, bucket) of the all-gathers step() left in flight
+        self.issued_at = None  # each parameter's version when they were issued (see wait)
+        self.names = {p: n for n, p in module.named_parameters()}
         self.reads, self.read_ends = None, {}  # in the first forward: how far each module's code read
         self.ends = None  # then: each module's wait point
         if gather_after_step:
@@ -1179,17 +1220,35 @@ class FlatParameters:
         """The parameters over an owned range: flat slice f (own slice o)."""
         return self.flat[f]
 
+    def holds(self, p):
+        """Whether p is still the view bind() made (not given new storage since)."""
+        a = self.partition.offsets[self.partition.index[p]]
+        return p.data_ptr() == self.flat[a:].data_ptr() and p.untyped_storage()._cdata == self.flat.untyped_storage()._cdata
+
     def after_step(self, frozen_too=False):
         if self.gather_after_step:  # each rank's updated chunk to every rank: Ψ per rank (Section 7.2.1)
             part = self.partition
             for k in (k for k, b in enumerate(part.buckets) if b.trainable or frozen_too):
                 work = part.all_gather(self.flat[part.flat_range(k)], self.flat[part.chunk(k)])
-                self.in_flight.append((part.buckets[k].start, work))
+                self.in_flight.append((part.buckets[k].start, work, k))
+            self.issued_at = [p._version for p in part.params]
 
     def wait(self, end=math.inf):
-        """Wait for the all-gathers step() left in flight, of flat elements [0, end)."""
+        """Wait for the all-gathers step() left in flight, of flat elements [0, end). A parameter
+        written in place while its bucket's all-gather was in flight (p.clamp_() or a
+        module.apply() re-initialisation right after step(), through an attribute, which does not
+        wait) has that write overwritten in part, on some ranks: an error, not diverged ranks."""
         while self.in_flight and self.in_flight[0][0] < end:
-            self.in_flight.pop(0)[1].wait()
+            start, work, k = self.in_flight.pop(0)
+            work.wait()
+            written = [self.names[self.partition.params[i]] for i, lo, hi in self.partition.buckets[k].segments
+                       if self.partition.params[i]._version != self.issued_at[i]]
+            if written:
+                raise RuntimeError(f"rank {self.partition.rank}: {written[:3]} were written in place while step()'s "
+                                   f"all-gather of the updated parameters was in flight (stages 1-2 leave it in "
+                                   f"flight until a forward or a listing of the parameters waits for it), so it "
+                                   f"overwrote part of the write: call optimizer.wait_params() after step() and "
+                                   f"before writing into parameters (model.parameters() waits too)")
 
     def full(self):
         return self.flat
@@ -1311,6 +1370,11 @@ class ShardedParameters:
     def owned(self, f, o):
         return self.shard[o]
 
+    def holds(self, p):
+        """Whether p is its stand-in or its view into its group's buffer (not given new storage)."""
+        storage = p.untyped_storage()._cdata
+        return storage in self.stand_ins or storage == self.buffers[self.group_of[p]].untyped_storage()._cdata
+
     def after_step(self, frozen_too=False):
         """The shard changed (a step, a loaded checkpoint): no gathered copy may outlive it."""
         self._finish_prefetch()
@@ -1325,6 +1389,13 @@ class ShardedParameters:
 
     def storages(self):
         return [self.shard] + self.buffers + [stand_in for views in self.views for p, view, stand_in in views]
+
+    def refill_stand_ins(self):
+        """NaN again in every stand-in: fill_ and zero_ on one write the element they share."""
+        with torch.no_grad():
+            for views in self.views:
+                for p, view, stand_in in views:
+                    stand_in.fill_(math.nan)
 
     def _gathered(self, g):
         """Whether group g's buffer holds its storage (gathered, or an all-gather on its way)."""
@@ -1355,6 +1426,13 @@ class ShardedParameters:
                 self._wait_gathered(g)
             if buf.numel() == 0 or self._gathered(g):
                 continue  # gathered already (or on its way)
+            moved = [tuple(p.shape) for p, view, stand_in in self.views[g]
+                     if p.untyped_storage()._cdata != stand_in.untyped_storage()._cdata]
+            if moved:  # the gather would replace it with the shard's values
+                raise RuntimeError(f"stage 3: parameters {moved[:3]} of {self.names[g]} were given new storage (p.data = "
+                                   f"t, torch.nn.utils.vector_to_parameters) outside its forward, where they hold "
+                                   f"no values on this rank, so their values would be dropped: set them before "
+                                   f"zero.initialize, or restore them with zero.load_checkpoint")
             self._check_same_group(g)
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
             for p, view, stand_in in self.views[g]:
@@ -2263,6 +2341,7 @@ def load_checkpoint(path, model, optimizer):
         _read_own(opt, reader, "weights", opt.parameters.owned)
     opt.parameters.after_step(frozen_too=True)
     opt.parameters.wait()
+    opt.written_since_step()  # writes before the load are overwritten by it, as they should be
     opt.optim.state.clear()
     for key in manifest["state_keys"]:  # each state one own-space tensor; the pieces' states are views of it
         own = torch.zeros(opt.own_numel, dtype=opt.weights_dtype, device=part.device)
