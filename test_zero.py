@@ -1323,7 +1323,8 @@ def on_rank_writes_into_parameters_between_steps(stage):
     raise naming the fix: at stages 1-2 a write through an attribute right after step(),
     which the all-gather in flight overwrote; a parameter given new storage
     (vector_to_parameters), which the step would not update; at stage 3 a write outside the
-    forward, where the parameter is a stand-in holding no values."""
+    forward, where the parameter is a stand-in holding no values, and one inside it
+    (nn.Embedding's max_norm), which reaches the gathered copy and never the shard."""
     def build():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
@@ -1367,6 +1368,12 @@ def on_rank_writes_into_parameters_between_steps(stage):
     if stage == 3:
         run(model, opt, 1, lambda model, opt, step: model.apply(zero_bias))
         problems += missed_errors({"at stage 3 a parameter holds": lambda: run(model, opt, 1, nothing)}, RuntimeError)
+        # a write inside the forward reaches the gathered copy only: nn.Embedding(max_norm=...) renormalises rows
+        torch.manual_seed(0)
+        model, opt = zero.initialize(nn.Sequential(nn.Embedding(11, 8, max_norm=1.0), nn.Linear(8, 4)),
+                                     torch.optim.SGD, stage=stage, lr=0.5)
+        model(torch.arange(11)).square().mean().backward()
+        problems += missed_errors({"at stage 3 a parameter holds": opt.step}, RuntimeError)
         model, opt = zero.initialize(build(), torch.optim.SGD, stage=stage, lr=0.5)
     params = list(model.parameters())
     torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(params).clamp(-0.1, 0.1), params)
