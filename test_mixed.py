@@ -464,7 +464,7 @@ def test_the_step_converts_one_bucket_of_gradient_at_a_time(world, stage, dtype)
 
 def on_rank_written_bf16_parameters(stage):
     """WGAN's weight clipping between steps, over model.parameters() (which waits for the
-    all-gather in flight), with bf16 parameters: the errors, one per step that should raise."""
+    all-gather in flight), with bf16 parameters: the errors of the steps and full_state_dicts."""
     torch.manual_seed(0)
     model, opt = zero.initialize(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)),
                                  torch.optim.SGD, stage=stage, param_dtype=torch.bfloat16, lr=0.5)
@@ -480,6 +480,10 @@ def on_rank_written_bf16_parameters(stage):
             with torch.no_grad():
                 for p in model.parameters():
                     p.clamp_(-0.1, 0.1)
+            try:  # (it would hand back the fp32 master without the write)
+                zero.full_state_dict(model)
+            except RuntimeError as e:
+                errors.append(str(e))
     return errors
 
 
@@ -488,6 +492,6 @@ def on_rank_written_bf16_parameters(stage):
 def test_a_write_into_bf16_parameters_that_the_fp32_master_would_undo_names_the_fix(world, stage):
     """With bf16 parameters the optimizer steps the fp32 master (Section 3.1) and copies it over
     the parameters: a write into them between steps would be undone by the next step, so that
-    step raises, naming the fix, on every rank."""
+    step raises, naming the fix, on every rank, and so does full_state_dict before it."""
     for errors in world(2).run(on_rank_written_bf16_parameters, stage):
-        assert len(errors) == 1 and "fp32 master" in errors[0] and "without param_dtype" in errors[0], errors
+        assert len(errors) == 3 and all("fp32 master" in e and "without param_dtype" in e for e in errors), errors

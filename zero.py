@@ -788,30 +788,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.written_since_step()
         return True
 
-    def written_since_step(self):
+    def written_since_step(self, record=True):
         """The names of the parameters written in place through the Parameter (p.clamp_(),
         p.copy_(), nn.init.*_(p)) since the last step, zero.initialize or load_checkpoint; their
-        versions recorded anew. (zero's own writes go through its buffers, not the Parameter, so
+        versions recorded anew (record=True). (zero's own writes go through its buffers, not the Parameter, so
         they change no version; a write through p.data cannot be seen.)"""
         versions = [p._version for p in self.partition.params]
-        seen, self.versions = getattr(self, "versions", versions), versions
+        seen = getattr(self, "versions", versions)
+        if record:
+            self.versions = versions
         return [self.names[p] for p, a, b in zip(self.partition.params, seen, versions) if a != b]
 
-    def _refuse_lost_writes(self):
+    def _refuse_lost_writes(self, record=True):
         """A write into the parameters between steps (WGAN's p.clamp_(), a re-initialisation) is
         kept where the parameters are the weights the optimizer steps: fp32 at stages 0-2. With
         an fp32 master (Section 3.1) the step copies the master over it; at stage 3 a parameter
         outside its module's forward is a stand-in (the write changed no weight), inside it the
         gathered copy that is freed after (its shard never sees the write). Either way the write
         would be lost, so it is refused; and so is a parameter given new storage (p.data = t,
-        torch.nn.utils.vector_to_parameters), which the step would no longer update."""
+        torch.nn.utils.vector_to_parameters), which the step would no longer update. Checked by
+        full_state_dict and save_checkpoint too (record=False: the step still raises), which
+        would read the weights without the write."""
         moved = [self.names[p] for p in self.partition.params if not self.parameters.holds(p)]
         if moved:
             raise RuntimeError(f"{moved[:3]} no longer lie in zero's buffers (p.data = t, or "
                                f"torch.nn.utils.vector_to_parameters, gave them new storage), so the step would "
                                f"not update them: write values into the parameters in place (p.copy_(t)), or set "
                                f"them before zero.initialize")
-        written = self.written_since_step()
+        written = self.written_since_step(record)
         if written and self.parameters.in_own_space:
             self.parameters.refill_stand_ins()
         if written and (self.master is not None or self.parameters.in_own_space):
@@ -2070,6 +2074,7 @@ def full_state_dict(module):
     Gathered a bucket at a time: the device holds one bucket more; the CPU holds the model."""
     opt = _engine(module)
     opt.parameters.wait()
+    opt._refuse_lost_writes(record=False)
     # the fp32 master weights where they exist, else the parameters themselves
     flat = opt._to_flat(opt.master) if opt.master is not None else opt.parameters.full()
     part, state = opt.partition, {}
@@ -2126,6 +2131,8 @@ def save_checkpoint(path, model, optimizer, **extra):
     Holds the rank's own state plus one bucket's chunk at a time."""
     opt, path = _engine(model), pathlib.Path(path)
     part, group = opt.partition, opt.partition.group
+    opt.parameters.wait()
+    opt._refuse_lost_writes(record=False)  # (a write the checkpoint would not hold)
     partial = path.with_name(path.name + ".partial")
     if opt.tp_group:  # each tp slice is saved over a dp group of its own: into one path they would race
         paths = [None] * dist.get_world_size(opt.tp_group)
