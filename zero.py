@@ -544,7 +544,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gradients.require_scaled_backward = self.scaler is not None
         self.clean_steps, self.norm_plan = 0, None
         self.zero_grad()
-        self.written_since_step()  # (the versions the parameters start at)
+        self.versions = [p._version for p in partition.params]  # what _written_since_step compares with
         # torch.optim.Optimizer's hook registries: register_step_pre_hook/post_hook run around step()
         for kind in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
                      "load_state_dict_post"):
@@ -785,19 +785,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.master is not None:  # fp32 master -> the 16-bit parameters
             self.parameters.copy_owned(self.owned, self.master)
         self.parameters.after_step()
-        self.written_since_step()
+        self._written_since_step()
         return True
 
-    def written_since_step(self, record=True):
+    def _written_since_step(self, record=True):
         """The names of the parameters written in place through the Parameter (p.clamp_(),
         p.copy_(), nn.init.*_(p)) since the last step, zero.initialize or load_checkpoint; their
-        versions recorded anew (record=True). (zero's own writes go through its buffers, not the Parameter, so
-        they change no version; a write through p.data cannot be seen.)"""
+        versions recorded anew (record=True). (zero's own writes go through its buffers, not the
+        Parameter, so they change no version; a write through p.data cannot be seen.)"""
         versions = [p._version for p in self.partition.params]
-        seen = getattr(self, "versions", versions)
+        written = [self.names[p] for p, a, b in zip(self.partition.params, self.versions, versions) if a != b]
         if record:
             self.versions = versions
-        return [self.names[p] for p, a, b in zip(self.partition.params, seen, versions) if a != b]
+        return written
 
     def _refuse_lost_writes(self, record=True):
         """A write into the parameters between steps (WGAN's p.clamp_(), a re-initialisation) is
@@ -815,7 +815,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                f"torch.nn.utils.vector_to_parameters, gave them new storage), so the step would "
                                f"not update them: write values into the parameters in place (p.copy_(t)), or set "
                                f"them before zero.initialize")
-        written = self.written_since_step(record)
+        written = self._written_since_step(record)
         if written and self.parameters.in_own_space:
             self.parameters.refill_stand_ins()
         if written and (self.master is not None or self.parameters.in_own_space):
@@ -1126,7 +1126,7 @@ class FlatParameters:
     def __init__(self, partition, module, dtype, gather_after_step):
         self.partition, self.gather_after_step = partition, gather_after_step
         self.flat = torch.zeros(partition.padded_numel, dtype=dtype, device=partition.device)
-        self.in_flight = []  # (flat start, work, bucket) of the all-gathers step() left in flight
+        self.in_flight = []  # (bucket, work) of the all-gathers step() left in flight, in flat order
         self.issued_at = None  # each parameter's version when they were issued (see wait)
         self.names = {p: n for n, p in module.named_parameters()}
         self.reads, self.read_ends = None, {}  # in the first forward: how far each module's code read
@@ -1227,14 +1227,15 @@ class FlatParameters:
     def holds(self, p):
         """Whether p is still the view bind() made (not given new storage since)."""
         a = self.partition.offsets[self.partition.index[p]]
-        return p.data_ptr() == self.flat[a:].data_ptr() and p.untyped_storage()._cdata == self.flat.untyped_storage()._cdata
+        return p.untyped_storage()._cdata == self.flat.untyped_storage()._cdata and \
+            p.data_ptr() == self.flat.data_ptr() + a * self.flat.element_size()
 
     def after_step(self, frozen_too=False):
         if self.gather_after_step:  # each rank's updated chunk to every rank: Ψ per rank (Section 7.2.1)
             part = self.partition
             for k in (k for k, b in enumerate(part.buckets) if b.trainable or frozen_too):
                 work = part.all_gather(self.flat[part.flat_range(k)], self.flat[part.chunk(k)])
-                self.in_flight.append((part.buckets[k].start, work, k))
+                self.in_flight.append((k, work))
             self.issued_at = [p._version for p in part.params]
 
     def wait(self, end=math.inf):
@@ -1242,8 +1243,8 @@ class FlatParameters:
         written in place while its bucket's all-gather was in flight (p.clamp_() or a
         module.apply() re-initialisation right after step(), through an attribute, which does not
         wait) has that write overwritten in part, on some ranks: an error, not diverged ranks."""
-        while self.in_flight and self.in_flight[0][0] < end:
-            start, work, k = self.in_flight.pop(0)
+        while self.in_flight and self.partition.buckets[self.in_flight[0][0]].start < end:
+            k, work = self.in_flight.pop(0)
             work.wait()
             written = [self.names[self.partition.params[i]] for i, lo, hi in self.partition.buckets[k].segments
                        if self.partition.params[i]._version != self.issued_at[i]]
@@ -2348,7 +2349,7 @@ def load_checkpoint(path, model, optimizer):
         _read_own(opt, reader, "weights", opt.parameters.owned)
     opt.parameters.after_step(frozen_too=True)
     opt.parameters.wait()
-    opt.written_since_step()  # writes before the load are overwritten by it, as they should be
+    opt._written_since_step()  # writes before the load are overwritten by it, as they should be
     opt.optim.state.clear()
     for key in manifest["state_keys"]:  # each state one own-space tensor; the pieces' states are views of it
         own = torch.zeros(opt.own_numel, dtype=opt.weights_dtype, device=part.device)
