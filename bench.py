@@ -306,6 +306,7 @@ class Nodes:
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 self.handlers[sig] = signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
         atexit.register(self.remove)  # the last resort, should a second Ctrl-C cut a removal short
+        remove_stale()
         try:
             for ns in [self.bridge] + self.names:
                 self.made.append(ns)
@@ -350,16 +351,38 @@ class Nodes:
         """ranks.run_on_ranks's options: rank r in node r, talking over veth<r>, rank 0's store on a
         new port (queues are pipes: they work across namespaces)."""
         return dict(master=self.addrs[0], port=next(self.ports),
-                    setups=[functools.partial(enter_namespace, name) for name in self.names],
+                    setups=[functools.partial(enter_namespace, name, os.getpid()) for name in self.names],
                     envs=[dict(GLOO_SOCKET_IFNAME=f"veth{r}") for r in range(len(self.names))])
 
 
-def enter_namespace(name):
+def remove_stale():
+    """Delete the namespaces a bench.py killed with SIGKILL left (zb<its pid>-..., no process of that
+    pid now; or this process's pid, reused: it has made none yet), saying so on stderr."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for ns in listed:
+        pid = ns[2:].partition("-")[0]
+        if not (ns.startswith("zb") and "-" in ns and pid.isdigit()):
+            continue  # not bench.py's
+        if int(pid) != os.getpid() and os.path.exists(f"/proc/{pid}"):
+            continue  # a run still going (or a process that reused the pid): left alone
+        print(f"deleting namespace {ns}, left by a bench.py (pid {pid}) that was killed", file=sys.stderr)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def enter_namespace(name, bench):
     """Move this process into the network namespace `name` before any socket opens; threads it
-    starts from then on inherit it."""
+    starts from then on inherit it. Also: die with bench.py (pid `bench`), even of SIGKILL, when
+    Nodes cannot remove anything: a rank waiting for orders would wait forever, keeping its
+    namespace's links alive."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    # PR_SET_PDEATHSIG: SIGKILL when the thread that started this process ends (Server's: it
+    # outlives the ranks, waiting for them)
+    libc.prctl(1, signal.SIGKILL)
+    if os.getppid() != bench:  # bench.py died before prctl: no signal will come
+        sys.exit(f"bench.py (pid {bench}) is gone")
     fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
     try:
-        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:  # Python 3.11 has no os.setns
+        if libc.setns(fd, CLONE_NEWNET) != 0:  # Python 3.11 has no os.setns
             raise OSError(ctypes.get_errno(), f"setns into {name}: {os.strerror(ctypes.get_errno())}")
     finally:
         os.close(fd)

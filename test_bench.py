@@ -5,6 +5,8 @@ then the same on two emulated nodes (bench.py --nodes, as root with iproute2).
 """
 import os
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -60,3 +62,33 @@ def test_bench_bad_flags_say_what_to_change(monkeypatch, capsys, flags, message)
     with pytest.raises(SystemExit):
         bench.parse_args(flags)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow  # bench.py --nodes run to its ranks' warm-up, then killed
+def test_bench_nodes_killed_with_sigkill_leaves_no_rank_and_the_next_run_deletes_its_namespaces():
+    problem = bench.nodes_problem()
+    if problem:
+        pytest.skip(f"{bench.NEEDS} ({problem})")
+    run = subprocess.Popen([sys.executable, "bench.py", "--nodes", "2", "--link", "1gbit", "--model", "tiny",
+                            "--batch_size", "2", "--seq_len", "32", "--steps", "1", "--warmup", "0", "--repeats", "1",
+                            "--launches", "1", "--systems", "zero1"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    try:
+        for line in run.stderr:  # the ranks are up once warmed up
+            if "started and warmed up" in line:
+                break
+        ranks = subprocess.run(["pgrep", "-P", str(run.pid)], capture_output=True, text=True).stdout.split()
+        run.kill()  # SIGKILL: no Python runs in bench.py any more
+        run.wait()
+        # the ranks waited for orders forever: a rank would have held its namespace's links
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ranks and not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+        bench.remove_stale()  # what the next run does first
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+        assert f"zb{run.pid}-" not in left
+    finally:
+        run.kill()
+        for ns in ("br", "0", "1"):
+            subprocess.run(["ip", "netns", "del", f"zb{run.pid}-{ns}"], capture_output=True)
