@@ -80,6 +80,8 @@ def parse_args(argv=None):
     if args.nodes is not None:
         if args.nodes < 1:  # checked here: it becomes --world, whose check below would name --world
             p.error(f"--nodes must be at least 1 (got {args.nodes})")
+        if args.nodes > 254:  # node r is SUBNET.<r+1>/24: .255 is the broadcast address, .256 none
+            p.error(f"--nodes must be at most 254 (got {args.nodes}): the nodes' addresses are {SUBNET}.1-254")
         if args.world is not None and args.world != args.nodes:
             p.error(f"--world {args.world} differs from --nodes {args.nodes}: one rank per node (leave out --world)")
         if args.link is None:

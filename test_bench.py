@@ -56,6 +56,8 @@ def test_bench_on_two_emulated_nodes_gives_one_loss_and_leaves_no_namespace_behi
     (["--systems", "ddp", "zero3", "ddp"], "--systems names ddp more than once: name each system once"),
     # --nodes sets --world: its check named --world, a flag not given
     (["--nodes", "0", "--link", "1gbit"], "--nodes must be at least 1 (got 0)"),
+    # node r is 10.213.0.<r+1>/24: node 255 got the broadcast address, node 256 an invalid one
+    (["--nodes", "255", "--link", "1gbit"], "--nodes must be at most 254 (got 255)"),
 ])
 def test_bench_bad_flags_say_what_to_change(monkeypatch, capsys, flags, message):
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name, package=None: None)  # no deepspeed
