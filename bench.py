@@ -324,8 +324,12 @@ class Nodes:
                 self._cmd("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", f"veth{r}")
                 self._cmd("ip", "-n", ns, "link", "set", f"veth{r}", "up")
                 for where, dev in ((ns, f"veth{r}"), (self.bridge, f"port{r}")):  # node's upload, its download
-                    self._cmd("tc", "-n", where, "qdisc", "add", "dev", dev, "root",
-                              "tbf", "rate", self.rate, "burst", "256kb", "latency", "100ms")
+                    try:
+                        self._cmd("tc", "-n", where, "qdisc", "add", "dev", dev, "root",
+                                  "tbf", "rate", self.rate, "burst", "256kb", "latency", "100ms")
+                    except RuntimeError as e:  # tc names the value it refused, not the flag
+                        raise RuntimeError(f"{e}\n--link {self.rate}: give a rate above 0 in tc's units (200mbit, "
+                                           "1gbit); the kernel needs the tbf qdisc (modprobe sch_tbf)") from None
         except BaseException as e:
             self.__exit__()
             if isinstance(e, RuntimeError):  # an ip or tc command failed (_cmd)

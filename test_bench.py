@@ -94,3 +94,16 @@ def test_bench_nodes_killed_with_sigkill_leaves_no_rank_and_the_next_run_deletes
         run.kill()
         for ns in ("br", "0", "1"):
             subprocess.run(["ip", "netns", "del", f"zb{run.pid}-{ns}"], capture_output=True)
+
+
+@pytest.mark.parametrize("rate", ["fast", "0mbit"])
+def test_bench_nodes_bad_link_names_the_flag_and_leaves_no_namespace(rate):
+    problem = bench.nodes_problem()
+    if problem:
+        pytest.skip(f"{bench.NEEDS} ({problem})")
+    with pytest.raises(SystemExit) as exit:  # tc said only `illegal value for "rate"` or `"rate" is mandatory`
+        with bench.Nodes(2, rate):
+            pass
+    assert f"--link {rate}: give a rate above 0 in tc's units (200mbit, 1gbit)" in str(exit.value.code)
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert f"zb{os.getpid()}-" not in left
