@@ -1269,6 +1269,53 @@ def test_a_parameter_kept_after_its_model_is_dropped_is_a_plain_tensor(world, st
     assert world(1).run(on_rank_parameter_outlives_its_model, stage) == [True]
 
 
+class PassesPromptThrough(nn.Module):
+    """A module with a parameter of its own that returns a tensor it was given as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.scale = nn.Linear(8, 8), nn.Parameter(torch.ones(8))
+
+    def forward(self, x, prompt):
+        return self.fc(x) * self.scale + prompt.sum(), prompt
+
+
+def on_rank_leaf_passed_through(stage):
+    """25 SGD steps with a soft prompt (a leaf kept across steps, trained outside zero) that a
+    module returns as it is: the losses, and the hooks on the prompt after steps 5 and 25."""
+    torch.manual_seed(0)
+    prompt = torch.zeros(8, requires_grad=True)
+    mix, head = PassesPromptThrough(), nn.Linear(8, 1)
+    model, opt = zero.initialize(nn.ModuleList([mix, head]), torch.optim.SGD, stage=stage, lr=0.1)
+    losses, hooks = [], []
+    for step in range(25):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + dist.get_rank()))
+        h, p = mix(x, prompt)
+        loss = head(h + p).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            prompt -= 0.1 * prompt.grad
+        prompt.grad = None
+        losses.append(loss.detach())
+        if step + 1 in (5, 25):
+            hooks.append(len(prompt._backward_hooks or {}))
+    return torch.stack(losses), hooks
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage3_hooks_nothing_per_step_on_a_leaf_a_module_returns(world):
+    """A leaf a module returns as it is (a soft prompt passed through) was not computed by the
+    module, so backward reaching it computes nothing of the module: stage 3 hooks the nodes of
+    this forward's graph only, not the leaf, which lives across steps (a hook on it per forward
+    would grow without end, each one gathering the module in every later backward)."""
+    want = world(2).run(on_rank_leaf_passed_through, 0)
+    for (losses, hooks), (want_losses, _) in zip(world(2).run(on_rank_leaf_passed_through, 3), want):
+        assert hooks == [0, 0], hooks
+        assert torch.equal(losses, want_losses), (losses, want_losses)
+
+
 def on_rank_parts_called_on_their_own(stage):
     """A module whose root forward never runs, its parts called one by one (a GAN's generator and
     discriminator in one nn.ModuleDict): at stages 1-2 each part's forward waits for every

@@ -1627,8 +1627,11 @@ class ShardedParameters:
                             f"reaches the module to gather its parameters again: return a tuple, dict or "
                             f"NamedTuple, or register the type (torch.utils._pytree.register_dataclass or "
                             f"register_pytree_node)")
+        # A leaf (a tensor given to the module and returned as it is, e.g. a soft prompt) was not
+        # computed by the module: backward reaching it computes nothing of the module, and a hook
+        # on it would stay on the tensor for every later step, one more per forward.
         for t in leaves:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
                 _when_backward_reaches(t, lambda: self._pre_backward(gids, call))
 
     def _pre_backward(self, gids, call):
