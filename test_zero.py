@@ -788,10 +788,10 @@ def test_stage3_rank_that_stops_gathering_is_caught_by_the_timeout(world):
 
 def growth(live):
     """What each reading of the live bytes adds to the first: the tests of a bad batch compare this
-    with skipping the batch, not the bytes since before the model. Full-suite runs have seen the
-    first run after another test's on the same ranks read other bytes than the runs after it (143 KB
-    below once: the earlier test left them alive, freed during the first step), so each of these
-    tests makes one run first whose readings it does not compare (settle)."""
+    with skipping the batch, not the bytes since before the model. The first run after another
+    test's on the same ranks can read other bytes than the runs after it (bytes the earlier test
+    left alive, freed during the first steps: 143 KB in a full-suite run), so each of these tests
+    makes one run first whose readings it does not compare (settle)."""
     return [n - live[0] for n in live]
 
 
@@ -1443,7 +1443,7 @@ def on_rank_writes_into_parameters_between_steps(stage):
         model, opt = zero.initialize(build(), torch.optim.SGD, stage=stage, lr=0.5)
     params = list(model.parameters())
     torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(params).clamp(-0.1, 0.1), params)
-    problems += missed_errors({"set them before zero.initialize": lambda: run(model, opt, 1, nothing)}, RuntimeError)
+    problems += missed_errors({"set the values before zero.initialize": lambda: run(model, opt, 1, nothing)}, RuntimeError)
     return problems
 
 
@@ -1639,9 +1639,10 @@ def test_torch_compile_of_the_sharded_model_trains_as_eager(world, stage):
 def test_torch_compile_before_initialize_trains_as_eager(world, stage, when):
     """zero.initialize of a model compiled already (torch.compile(model), or one layer of it):
     the wrapper torch.compile returns only calls the module it wraps, whose hooks run inside the
-    compiled code. At stages 1-2 its own hooks, run outside, put it among the modules whose reads
-    the compiled code looked up, which dynamo failed on ("UnspecializedNNModuleVariable(...) is
-    already tracked for mutation"). Compared as the test above: to 1e-5."""
+    compiled code, so zero hooks the module and not the wrapper (hooks of stages 1-2 on the
+    wrapper, run outside, would put it among the modules whose reads the compiled code looks up,
+    and dynamo fails on that: "UnspecializedNNModuleVariable(...) is already tracked for
+    mutation"). Compared as the test above: to 1e-5."""
     for runs in world(2).run(on_rank_compiled_losses, stage, when):
         (eager, eager_state), (compiled, compiled_state) = runs[False], runs[True]
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
@@ -1959,13 +1960,16 @@ def on_rank_bad_inputs():
             nn.Linear(2, 2), torch.optim.AdamW, stage=1)[1].add_param_group({"params": [torch.zeros(2)]}),
         "with fp16 loss scaling, call optimizer.backward\\(loss\\) instead of loss.backward\\(\\)":
             _loss_backward_with_fp16_loss_scaling,
-        # max_norm renormalises looked-up rows by writing into the weight in forward: stage 3 wrote a gathered
-        # copy it then freed, a 16-bit param_dtype one the fp32 master overwrote (training differed silently)
+        # max_norm renormalises looked-up rows by writing into the weight in forward: at stage 3 into a gathered
+        # copy that is freed, under a 16-bit param_dtype into one the fp32 master overwrites, at stages 1-2 into
+        # rows other ranks own, which the all-gather after step() overwrites
         "0 is an nn.Embedding with max_norm=1.0, .* at stage 3 .* max_norm=None": lambda: zero.initialize(
             nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 1)), torch.optim.SGD, stage=3, lr=0.1),
         "emb is an nn.EmbeddingBag with max_norm=2.0, .* param_dtype=torch.bfloat16 .* max_norm=None": lambda: (
             zero.initialize(nn.ModuleDict({"emb": nn.EmbeddingBag(10, 4, max_norm=2.0)}), torch.optim.SGD,
                             stage=1, param_dtype=torch.bfloat16, lr=0.1)),
+        "0 is an nn.Embedding with max_norm=1.0, .* at stage 2 .* other ranks own.* max_norm=None": lambda: (
+            zero.initialize(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0)), torch.optim.SGD, stage=2, lr=0.1)),
     }
     return missed_errors(cases, (TypeError, ValueError, RuntimeError), match=re.search)
 

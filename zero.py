@@ -785,7 +785,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.master is not None:  # fp32 master -> the 16-bit parameters
             self.parameters.copy_owned(self.owned, self.master)
         self.parameters.after_step()
-        self._written_since_step()
         return True
 
     def _written_since_step(self, record=True):
@@ -811,10 +810,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         would read the weights without the write."""
         moved = [self.names[p] for p in self.partition.params if not self.parameters.holds(p)]
         if moved:
-            raise RuntimeError(f"{moved[:3]} no longer lie in zero's buffers (p.data = t, or "
-                               f"torch.nn.utils.vector_to_parameters, gave them new storage), so the step would "
-                               f"not update them: write values into the parameters in place (p.copy_(t)), or set "
-                               f"them before zero.initialize")
+            raise RuntimeError(f"rank {self.partition.rank}: {moved[:3]} no longer lie in zero's buffers (p.data = "
+                               f"t, or torch.nn.utils.vector_to_parameters, gave them new storage), so the step "
+                               f"would not update them, and nothing puts them back: rebuild the model and set the "
+                               f"values before zero.initialize (or restore a checkpoint into it); between steps, "
+                               f"write in place (with torch.no_grad(): p.copy_(t)), at stages 0-2 in fp32")
         written = self._written_since_step(record)
         if written and self.parameters.in_own_space:
             self.parameters.refill_stand_ins()
@@ -823,7 +823,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                    f"{self.precision.param_dtype})" if self.master is not None else
                    "at stage 3 a parameter holds this rank's values only as its shard, which such a write does "
                    "not reach (outside its module's forward it changed no weight)")
-            raise RuntimeError(f"{written[:3]} were written in place since the last step, but {why}: set the "
+            raise RuntimeError(f"rank {self.partition.rank}: {written[:3]} were written in place since the last "
+                               f"step, but {why}: set the "
                                f"values before zero.initialize, restore them with zero.load_checkpoint, or write "
                                f"parameters between steps at stages 0-2 without param_dtype (fp32, where the "
                                f"parameters are the weights the optimizer steps)")
@@ -1139,7 +1140,7 @@ class FlatParameters:
             for m in module.modules():
                 # a module with no parameter below reads none; torch.compile's wrapper (compiled before
                 # zero.initialize) only calls the module it wraps, whose hooks run inside the compiled code
-                if next(m.parameters(), None) is not None and not isinstance(m, torch._dynamo.eval_frame.OptimizedModule):
+                if next(m.parameters(), None) is not None and "_orig_mod" not in m._modules:
                     # prepend: before a pre-hook the module had already (weight_norm's reads the weights)
                     m.register_forward_pre_hook(lambda mod, args: self._pre_forward(mod), prepend=True)
                     m.register_forward_hook(lambda mod, args, out: self._post_forward(), always_call=True)
@@ -1226,9 +1227,8 @@ class FlatParameters:
 
     def holds(self, p):
         """Whether p is still the view bind() made (not given new storage since)."""
-        a = self.partition.offsets[self.partition.index[p]]
         return p.untyped_storage()._cdata == self.flat.untyped_storage()._cdata and \
-            p.data_ptr() == self.flat.data_ptr() + a * self.flat.element_size()
+            p.storage_offset() == self.partition.offsets[self.partition.index[p]]
 
     def after_step(self, frozen_too=False):
         if self.gather_after_step:  # each rank's updated chunk to every rank: Ψ per rank (Section 7.2.1)
@@ -1436,8 +1436,9 @@ class ShardedParameters:
             if moved:  # the gather would replace it with the shard's values
                 raise RuntimeError(f"stage 3: parameters {moved[:3]} of {self.names[g]} were given new storage (p.data = "
                                    f"t, torch.nn.utils.vector_to_parameters) outside its forward, where they hold "
-                                   f"no values on this rank, so their values would be dropped: set them before "
-                                   f"zero.initialize, or restore them with zero.load_checkpoint")
+                                   f"no values on this rank, so their values would be dropped, and nothing puts "
+                                   f"them back: rebuild the model and set the values before zero.initialize (or "
+                                   f"restore a checkpoint into it)")
             self._check_same_group(g)
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
             for p, view, stand_in in self.views[g]:
@@ -2026,14 +2027,18 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
                              f"(for mixed precision keep it fp32 and pass param_dtype)")
     for name, m in module.named_modules():
         if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None and (
-                stage == 3 or param_dtype in (torch.bfloat16, torch.float16)):
+                stage > 0 or param_dtype in (torch.bfloat16, torch.float16)):
             where = "at stage 3 into a gathered copy, freed after the forward" if stage == 3 else \
-                f"with param_dtype={param_dtype} into a 16-bit copy, which the step overwrites from the fp32 master"
+                f"with param_dtype={param_dtype} into a 16-bit copy, which the step overwrites from the fp32 master" \
+                if param_dtype in (torch.bfloat16, torch.float16) else \
+                f"at stage {stage} into this rank's copy of rows that other ranks own, which the all-gather after " \
+                f"step() overwrites with theirs (each rank renormalises the rows of its own batch)"
             raise ValueError(f"{name or 'the module'} is an nn.{type(m).__name__} with max_norm={m.max_norm}, which "
                              f"renormalises the rows it looks up by writing into its weight during forward, outside "
                              f"the optimizer: here it would write {where}, and the renormalisation would be lost "
                              f"without a word. Build it with max_norm=None (scale the looked-up rows out of place "
-                             f"if you need the bound), or train it in fp32 at stages 0-2")
+                             f"if you need the bound), or train it in fp32 at stage 0, where each rank keeps its "
+                             f"own as with DDP")
     if param_groups is not None:
         listed = [p for g in param_groups for p in g["params"]]
         if len(listed) != len(set(listed)) or set(listed) - set(params):
