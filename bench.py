@@ -267,6 +267,7 @@ class Server:
 # `ip -n NS` inside the new namespaces: the root namespace gets no address, link or route.
 # ---------------------------------------------------------------------------
 SUBNET = "10.213.0"  # private, and only inside this run's namespaces
+PREFIX = "zb"  # a run's namespaces are zb<its pid>-<name> (remove_stale reads the pid back)
 NEEDS = "--nodes needs root and iproute2 (apt-get install iproute2) to create network namespaces"
 CLONE_NEWNET = 0x40000000  # <sched.h>: setns into a network namespace
 
@@ -278,7 +279,7 @@ def nodes_problem():
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return f"{' and '.join(missing)} not found"
-    probe = f"zb{os.getpid()}-probe"
+    probe = f"{PREFIX}{os.getpid()}-probe"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return f"ip netns add: {made.stderr.strip()}" if made.returncode else None
@@ -291,7 +292,7 @@ class Nodes:
     them runs at a time (drive)."""
 
     def __init__(self, n, rate):
-        prefix = f"zb{os.getpid()}"
+        prefix = f"{PREFIX}{os.getpid()}"
         self.names, self.bridge = [f"{prefix}-{r}" for r in range(n)], f"{prefix}-br"
         self.addrs = [f"{SUBNET}.{r + 1}" for r in range(n)]
         self.rate, self.handlers = rate, {}
@@ -366,8 +367,8 @@ def remove_stale():
     pid now; or this process's pid, reused: it has made none yet), saying so on stderr."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     for ns in listed:
-        pid = ns[2:].partition("-")[0]
-        if not (ns.startswith("zb") and "-" in ns and pid.isdigit()):
+        pid = ns[len(PREFIX):].partition("-")[0]
+        if not (ns.startswith(PREFIX) and "-" in ns and pid.isdigit()):
             continue  # not bench.py's
         if int(pid) != os.getpid() and os.path.exists(f"/proc/{pid}"):
             continue  # a run still going (or a process that reused the pid): left alone

@@ -824,10 +824,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                    "at stage 3 a parameter holds this rank's values only as its shard, which such a write does "
                    "not reach (outside its module's forward it changed no weight)")
             raise RuntimeError(f"rank {self.partition.rank}: {written[:3]} were written in place since the last "
-                               f"step, but {why}: set the "
-                               f"values before zero.initialize, restore them with zero.load_checkpoint, or write "
-                               f"parameters between steps at stages 0-2 without param_dtype (fp32, where the "
-                               f"parameters are the weights the optimizer steps)")
+                               f"step, but {why}: set the values before zero.initialize, restore them with "
+                               f"zero.load_checkpoint, or write parameters between steps at stages 0-2 without "
+                               f"param_dtype (fp32, where the parameters are the weights the optimizer steps)")
 
     def _free_grads(self):
         """The step's gradients are used (or dropped): the next step reduces and clips anew."""
@@ -1431,8 +1430,7 @@ class ShardedParameters:
                 self._wait_gathered(g)
             if buf.numel() == 0 or self._gathered(g):
                 continue  # gathered already (or on its way)
-            moved = [tuple(p.shape) for p, view, stand_in in self.views[g]
-                     if p.untyped_storage()._cdata != stand_in.untyped_storage()._cdata]
+            moved = [tuple(p.shape) for p, view, stand_in in self.views[g] if not self.holds(p)]
             if moved:  # the gather would replace it with the shard's values
                 raise RuntimeError(f"stage 3: parameters {moved[:3]} of {self.names[g]} were given new storage (p.data = "
                                    f"t, torch.nn.utils.vector_to_parameters) outside its forward, where they hold "
@@ -2140,7 +2138,7 @@ def save_checkpoint(path, model, optimizer, **extra):
     Holds the rank's own state plus one bucket's chunk at a time."""
     opt, path = _engine(model), pathlib.Path(path)
     part, group = opt.partition, opt.partition.group
-    opt.parameters.wait()
+    opt.parameters.wait()  # (stages 1-2: the all-gather in flight; it also checks no write raced it)
     opt._refuse_lost_writes(record=False)  # (a write the checkpoint would not hold)
     partial = path.with_name(path.name + ".partial")
     if opt.tp_group:  # each tp slice is saved over a dp group of its own: into one path they would race
@@ -2159,7 +2157,6 @@ def save_checkpoint(path, model, optimizer, **extra):
         partial.mkdir(parents=True)
 
     _on_rank0(group, f"saving {path}", make_partial)
-    opt.parameters.wait()
     files, (keys, scalars, keys_of), error = {}, opt._all_states(), None
     buckets = range(len(part.buckets))
     try:
