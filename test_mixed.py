@@ -11,6 +11,8 @@ fp16: the fp32 loss times the loss scale is backpropagated; the summed gradient,
 is checked for inf/nan (on any rank), unscaled as GradScaler does (times the scale's reciprocal),
 clipped, then stepped.
 """
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -495,3 +497,134 @@ def test_a_write_into_bf16_parameters_that_the_fp32_master_would_undo_names_the_
     step raises, naming the fix, on every rank, and so does full_state_dict before it."""
     for errors in world(2).run(on_rank_written_bf16_parameters, stage):
         assert len(errors) == 3 and all("fp32 master" in e and "without param_dtype" in e for e in errors), errors
+
+
+def on_rank_autocast_training(stage, recipe):
+    """torch.autocast over fp32 parameters, 6 steps of AdamW with clipping, DDP (stage None) or
+    zero. "bf16": no scaler. "fp16": DDP with torch.amp.GradScaler (unscale_, clip, step,
+    update), zero with loss_scale=DynamicLossScale of the same settings and optimizer.backward;
+    the scale starts high enough to overflow, and an inf on rank 0 in step 3. Per step: the scale
+    after it and the clip's norm; then the weights."""
+    model = make_model()
+    settings = dict(init_scale=2.0**16, growth_interval=2)
+    if stage is None:
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+        run, opt = DDP(model, find_unused_parameters=True), torch.optim.AdamW(model.parameters(), **OPTIM)
+        scaler = torch.amp.GradScaler("cpu", **settings) if recipe == "fp16" else None
+    else:
+        run, opt = zero.initialize(model, torch.optim.AdamW, stage=stage, **OPTIM,
+                                   loss_scale=zero.DynamicLossScale(**settings) if recipe == "fp16" else None)
+    log = []
+    for step in range(6):
+        x, y = micro_batch(step, 0)
+        with torch.autocast("cpu", dtype=DTYPES[recipe]):
+            logits = run(x, *usage(step, dist.get_rank(), symmetric=True))
+        loss = F.cross_entropy(logits.float().view(-1, VOCAB), y.view(-1))
+        inf = step == 3 and dist.get_rank() == 0 and recipe == "fp16"
+        handle = model.fc1.weight.register_hook(lambda g: g * float("inf")) if inf else None
+        if stage is None and scaler:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.backward(loss) if stage is not None else loss.backward()
+            norm = opt.clip_grad_norm_(MAX_NORM) if stage is not None else \
+                torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+        if handle:
+            handle.remove()
+        opt.zero_grad()
+        scale = (scaler.get_scale() if stage is None else opt.loss_scale) if recipe == "fp16" else None
+        log.append((scale, norm.item()))
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()} if stage is None else \
+        {n: t for n, t in zero.full_state_dict(run).items() if n in dict(model.named_parameters())}
+    return log, weights
+
+
+def on_rank_autocast_against_ddp(stage, recipe):
+    (want_log, want), (got_log, got) = [on_rank_autocast_training(s, recipe) for s in (None, stage)]
+    return want_log, got_log, [n for n in want if not torch.equal(want[n], got[n])]
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("recipe", ["bf16", "fp16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_autocast_and_grad_scalers_recipe_give_ddps_bits(world, stage, recipe):
+    """torch's mixed precision recipe carried over: torch.autocast over fp32 parameters gives
+    DDP's bits at every stage; for fp16, zero's loss_scale=DynamicLossScale in place of
+    torch.amp.GradScaler gives GradScaler's scales, skipped steps and clip norms, and the same
+    weights (both multiply by the fp32 scale's reciprocal and check the averaged gradients)."""
+    for want_log, got_log, differ in world(2).run(on_rank_autocast_against_ddp, stage, recipe):
+        print("DDP (scale, norm) per step:", want_log)
+        assert got_log == want_log, got_log
+        assert not differ, differ
+    if recipe == "fp16":  # the recipe's overflows happened: the scale backed off
+        assert min(s for s, n in want_log) < 2.0**16 and any(n == float("inf") for s, n in want_log), want_log
+
+
+def on_rank_grad_scaler(stage, unscale_first):
+    model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, **OPTIM)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = micro_batch(0, 0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        logits = model(x, *usage(0, dist.get_rank(), symmetric=True))
+    scaler.scale(F.cross_entropy(logits.float().view(-1, VOCAB), y.view(-1))).backward()
+    if unscale_first:  # (to clip: it finds no gradient to unscale)
+        scaler.unscale_(opt)
+    try:
+        scaler.step(opt)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale_-then-step"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_grad_scaler_names_zeros_loss_scale(world, stage, unscale_first):
+    """torch.amp.GradScaler reads p.grad, which zero leaves None: scaler.step(optimizer) raises,
+    naming loss_scale=zero.DynamicLossScale and optimizer.backward (not torch's "No inf checks
+    were recorded for this optimizer")."""
+    for error in world(2).run(on_rank_grad_scaler, stage, unscale_first):
+        assert error and "DynamicLossScale" in error and "optimizer.backward(loss)" in error, error
+
+
+def on_rank_stage3_under_autocast(param_dtype, stage):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, param_dtype=param_dtype, lr=0.1)
+    hooks = zero.MemoryHooks(model, every_module=False)
+    kept = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for autocast in (False, True, True):  # (warned once)
+            hooks.records, hooks.recording = [], True
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                x = torch.randn(8, 64, dtype=param_dtype or torch.float32, requires_grad=True)
+                loss = model(x).float().sum()  # (x needs a gradient: every layer's weight is saved)
+            kept[autocast] = hooks.kept_by_forward()
+            hooks.recording = False
+            loss.backward()
+            opt.zero_grad()
+    weights_bf16 = sum(p.numel() for p in net.parameters() if p.dim() == 2) * 2
+    return [str(w.message) for w in caught], kept, weights_bf16
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("param_dtype, stage", [(None, 3), (torch.bfloat16, 3), (None, 2)],
+                         ids=["stage3-fp32", "stage3-bf16", "stage2-fp32"])
+def test_stage3_under_autocast_warns_of_its_16_bit_copies(world, param_dtype, stage):
+    """Under torch.autocast each weight's bf16 copy is saved for backward, so a stage-3 forward
+    keeps the whole model in bf16 (at least the 4 weights' bf16 bytes) where without
+    autocast it keeps less than that (the activations): stage 3 warns once, naming param_dtype. With
+    param_dtype=torch.bfloat16 nothing is cast; at stages 0-2 the parameters are whole anyway."""
+    for messages, kept, weights_bf16 in world(2).run(on_rank_stage3_under_autocast, param_dtype, stage):
+        print(f"kept by forward: {kept[False]} B without autocast, {kept[True]} B with; bf16 weights {weights_bf16} B")
+        if param_dtype is None and stage == 3:
+            assert len(messages) == 1 and "param_dtype=torch.bfloat16" in messages[0], messages
+            assert kept[True] >= weights_bf16 > kept[False], kept
+        else:
+            assert not messages, messages

@@ -551,6 +551,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             setattr(self, f"_optimizer_{kind}_hooks", collections.OrderedDict())
         self._patch_step_function()
 
+    # torch.amp.GradScaler.step hands such an optimizer its scale and found_inf instead of
+    # unscaling p.grad, which zero leaves None; step() then refuses it, naming zero's own scaling
+    _step_supports_amp_scaling = True
+
     @property
     def param_groups(self):
         return self.optim.param_groups
@@ -758,6 +762,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise TypeError("step() takes no closure: run the forward and backward (optimizer.backward(loss) "
                             "for fp16) before optimizer.step(), which returns False where fp16 skipped the step")
+        if hasattr(self, "found_inf"):  # set by torch.amp.GradScaler.step (see _step_supports_amp_scaling)
+            raise RuntimeError("torch.amp.GradScaler cannot see zero's gradients (p.grad stays None), so it would "
+                               "neither unscale them nor find an overflow: drop it, pass loss_scale=zero."
+                               "DynamicLossScale(growth_interval=2000) (GradScaler's defaults) to zero.initialize "
+                               "and call optimizer.backward(loss): the step then scales as GradScaler does, on fp32 "
+                               "parameters under torch.autocast too")
         self.parameters.wait()  # stages 1-2: last step's all-gather, if no forward waited for it
         self._refuse_lost_writes()
         self._reduce()
@@ -1327,6 +1337,7 @@ class ShardedParameters:
         self.reads, self.stand_ins = None, set()  # the first forward's check; the stand-ins' storages
         self.detached = set()  # groups the first forward read without a gradient edge (see _read)
         self.gradients = None  # the GradientBuckets, set by initialize
+        self.warned_autocast = False
         for m, gids in hooks:
             # prepend: gathered before a pre-hook the module had already (weight_norm's computes the weight)
             m.register_forward_pre_hook(lambda mod, args, kwargs, gids=gids: self._pre_forward(gids, args, kwargs),
@@ -1548,11 +1559,28 @@ class ShardedParameters:
         for g in gids:
             self.refcount[g] += 1
         self._gather(gids)
+        if not self.warned_autocast:
+            self._warn_autocast()
         if not self.order_known and id(gids) not in self.unit_position:
             self.unit_position[id(gids)] = len(self.unit_order)
             self.unit_order.append(gids)
         if not self.gradients.in_backward:  # a forward recomputed in backward (P_a): the next units are done
             self._prefetch(gids, +1)
+
+    def _warn_autocast(self):
+        """torch.autocast keeps the 16-bit copy it makes of each weight it casts, in its cache
+        while it is on and saved for backward: every gathered weight's, so a rank holds the
+        whole model in 16 bits, which stage 3 exists to avoid. Said once."""
+        device = self.partition.flag_device.type  # (the CPU when simulating on meta)
+        dtype = torch.get_autocast_dtype(device)
+        if torch.is_autocast_enabled(device) and dtype != self.dtype and \
+                (torch.is_grad_enabled() or torch.is_autocast_cache_enabled()):
+            self.warned_autocast = True
+            warnings.warn(f"stage 3 under torch.autocast: autocast keeps the {dtype} copy it makes of each gathered "
+                          f"weight while it is on (its cache) and, for backward, until backward reaches it, so every "
+                          f"rank holds the whole model in {dtype} (2Ψ bytes): pass param_dtype={dtype} to "
+                          f"zero.initialize instead, which gathers the parameters in {dtype} over an fp32 master "
+                          f"(Section 3.1)", stacklevel=2)
 
     def _release(self, gids):
         for g in gids:
