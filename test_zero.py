@@ -29,6 +29,13 @@ from ranks import settled
 STEPS = 6
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
               "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01))}
+# every optimizer zero.initialize takes (zero.ELEMENTWISE_OPTIMIZERS), with options that reach
+# their less common paths: Adagrad's state made in its constructor, ASGD's averaging from step 2
+EVERY_ELEMENTWISE = {cls.__name__: (cls, dict(lr=1e-2, **{"Adagrad": dict(initial_accumulator_value=0.1),
+                                                          "ASGD": dict(t0=2), "SGD": dict(momentum=0.9),
+                                                          "Adam": dict(amsgrad=True)}.get(cls.__name__, {})))
+                     for cls in zero.ELEMENTWISE_OPTIMIZERS}
+ALL_OPTIMIZERS = {**OPTIMIZERS, **EVERY_ELEMENTWISE}
 
 
 def param_groups(model):
@@ -57,7 +64,7 @@ def ddp_reference(opt_name, symmetric, max_norm=None, schedule=False):
     ddp = DDP(model, find_unused_parameters=True)
     if dist.get_world_size() >= 3:
         ddp.register_comm_hook(None, pairwise_hook)
-    cls, kw = OPTIMIZERS[opt_name]
+    cls, kw = ALL_OPTIMIZERS[opt_name]
     opt = cls(param_groups(model), **kw)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, SCHEDULE) if schedule else None
     names = {p: n for n, p in model.named_parameters()}
@@ -83,7 +90,7 @@ def on_rank_match_ddp(stage, opt_name, bucket_numel, reduction="exact", max_norm
     symmetric = stage == 3
     reference = ddp_reference(opt_name, symmetric, max_norm, bool(schedule))
     model = make_model()
-    cls, kw = OPTIMIZERS[opt_name]
+    cls, kw = ALL_OPTIMIZERS[opt_name]
     model, opt = zero.initialize(model, cls, stage=stage, param_groups=param_groups(model),
                                  bucket_numel=bucket_numel, reduction=reduction, **kw)
     # a torch LR scheduler drives zero's optimizer, or the torch optimizer over this rank's
@@ -120,6 +127,15 @@ def test_stage_matches_ddp_bitwise(world, stage, opt_name, nd):
     """Losses at every step, every tensor of the full state after every step and the gathered
     optimizer state, all torch.equal to DDP, on Net (odd sizes, tied, frozen, unused, buffer)."""
     assert world(nd).run(on_rank_match_ddp, stage, opt_name, 64) == [[]] * nd
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("opt_name", EVERY_ELEMENTWISE)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_every_optimizer_zero_takes_matches_ddp_bitwise(world, stage, opt_name):
+    """Each elementwise optimizer, run over pieces of 64-element buckets split between the ranks,
+    steps to DDP's weights and optimizer state (its tensors and scalars), every step."""
+    assert world(2).run(on_rank_match_ddp, stage, opt_name, 64) == [[]] * 2
 
 
 @pytest.mark.xdist_group("world2")
@@ -846,7 +862,8 @@ def test_stage3_training_after_a_caught_branch_error_matches_skipping_the_batch(
 # 3 a crash); copy.deepcopy (an EMA, AveragedModel) would copy zero's hooks with the module (at
 # stage 3 its parameters' NaN stand-ins). Each is an error naming the fix; a conversion that
 # changes nothing goes through.
-# So is the optimizer's own state_dict and load_state_dict (its state is sharded).
+# So is the optimizer's own state_dict and load_state_dict (its state is sharded), and a read of
+# a model parameter's state in optimizer.state, which is keyed by this rank's pieces.
 # -----------------------------------------------------------------------------------------
 def on_rank_state_dict_around_zero(stage):
     # fp32: full_state_dict reads the parameters themselves (no master), so a load that went through
@@ -865,11 +882,14 @@ def on_rank_state_dict_around_zero(stage):
                        ("deepcopy", lambda: copy.deepcopy(model)),
                        ("a submodule's AveragedModel", lambda: torch.optim.swa_utils.AveragedModel(model.fc1)),
                        ("optimizer.state_dict", lambda: opt.state_dict()),
-                       ("optimizer.load_state_dict", lambda: opt.load_state_dict({}))):
+                       ("optimizer.load_state_dict", lambda: opt.load_state_dict({})),
+                       ("optimizer.state of a parameter", lambda: opt.state[net.fc1.weight]["exp_avg"])):
         try:
             call()
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, KeyError) as e:
             errors[name] = str(e)
+    if net.fc1.weight in opt.state:
+        errors["optimizer.state of a parameter"] += " (and it left an empty state)"
     return errors, compare("after load_state_dict", zero.full_state_dict(model), before)
 
 
@@ -887,6 +907,8 @@ def test_module_state_dict_load_state_dict_and_conversions_name_the_fix(world, s
         assert "copy the module before zero.initialize" in errors["a submodule's AveragedModel"], errors
         assert "zero.save_checkpoint" in errors["optimizer.state_dict"], errors
         assert "zero.load_checkpoint" in errors["optimizer.load_state_dict"], errors
+        assert errors["optimizer.state of a parameter"].endswith("(a collective)\"") and \
+            "zero.full_optimizer_state(model)['fc1.weight']" in errors["optimizer.state of a parameter"], errors
         if stage == 3:
             assert "zero.full_state_dict(model)" in errors["state_dict"], errors
             assert "zero.full_state_dict(model)" in errors["a submodule's state_dict"], errors

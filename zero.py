@@ -471,6 +471,24 @@ def _norm(grad, norm_type):
     return torch.linalg.vector_norm(grad, norm_type)
 
 
+class _PieceStates(collections.defaultdict):
+    """The torch optimizer's state (its defaultdict(dict)), keyed by this rank's pieces. A model
+    parameter is no key: reading its state (optimizer.state[p]["exp_avg"], to log it) raises,
+    naming the fix, where a defaultdict would hand back, and keep, an empty state."""
+
+    def __init__(self, names, states):
+        super().__init__(dict, states)
+        self.names = names
+
+    def __missing__(self, key):
+        if key in self.names:
+            raise KeyError(f"{self.names[key]} is a parameter of the model, and zero's optimizer keeps its state "
+                           f"in pieces of each rank's shard (optimizer.param_groups lists this rank's, the keys "
+                           f"of optimizer.state): zero.full_optimizer_state(model)[{self.names[key]!r}] gathers it "
+                           f"whole (a collective)")
+        return super().__missing__(key)
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """The optimizer a user steps: backward (with fp16 loss scaling), clip_grad_norm_, step,
     zero_grad. It composes the parameters (5.1 or 5.3) and the gradient buckets (5.2). `optim`
@@ -526,6 +544,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optim = optimizer_class(piece_groups, **optimizer_kwargs)
         self.group_members = [list(g["params"]) for g in groups]  # the user's groups, for checkpoints
         self.names = {p: n for n, p in module.named_parameters()}  # a tied weight: its first name
+        self.optim.state = _PieceStates(self.names, self.optim.state)
         # step() updates the pieces a window at a time, consecutive pieces spanning at most a bucket
         # (C_B) of the own space (or one larger piece): the gradient in the optimizer's dtype and the
         # optimizer's own temporaries (foreach AdamW's denominators) exist for one window, not for
