@@ -14,6 +14,7 @@ import itertools
 import re
 import shutil
 import time
+import warnings
 
 import pytest
 import torch
@@ -1962,6 +1963,15 @@ def on_rank_bad_inputs():
             torch.nn.utils.parametrizations.orthogonal(
                 zero.initialize(nn.Linear(2, 2), torch.optim.SGD, stage=3, lr=0.1)[0])),
         "registering it as Linear.weight .* tie weights before zero.initialize": _a_tie_after_initialize,
+        # weight_norm after initialize registers new parameters (g and v) in the weight's place, and a layer added
+        # after it brings its own: zero laid out neither, so the step would leave them as they are
+        "\\['1.parametrizations.weight.original0', '1.parametrizations.weight.original1'\\] were registered after "
+        "zero.initialize.* before zero.initialize": lambda: _a_step_after_registering(
+            lambda m: torch.nn.utils.parametrizations.weight_norm(m[1])),
+        "\\['1.weight_g', '1.weight_v'\\] were registered after zero.initialize": lambda: _a_step_after_registering(
+            lambda m: torch.nn.utils.weight_norm(m[1])),
+        "\\['2.weight', '2.bias'\\] were registered after zero.initialize": lambda: _a_step_after_registering(
+            lambda m: m.append(nn.Linear(2, 2))),
         "bucket_numel must be an int.* \\(got 500000000.0\\)": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.AdamW, stage=1, bucket_numel=5e8),
         "param_groups must be \\[\\{'params': \\[...\\], \\*\\*options\\}, ...\\]": lambda: zero.initialize(
@@ -1972,6 +1982,9 @@ def on_rank_bad_inputs():
             zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=1, param_dtype=torch.float64)),
         "loss_scale must be a number or a zero.DynamicLossScale \\(got str\\)": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.AdamW, stage=1, param_dtype=torch.float16, loss_scale="dynamic"),
+        # device places a module built on meta; one built elsewhere would stay where it is
+        "device places a module built on the meta device, but this one is on cpu already: .* drop device": lambda: (
+            zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=1, device="meta")),
         "module has no parameters to shard": lambda: zero.initialize(nn.ReLU(), torch.optim.AdamW, stage=1),
         "parameter 1.weight is torch.float64 on cpu but others are torch.float32 on cpu": lambda: zero.initialize(
             nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()), torch.optim.AdamW, stage=1),
@@ -2018,6 +2031,15 @@ def _a_tie_after_initialize():
     model, opt = zero.initialize(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), torch.optim.SGD, stage=1, lr=0.1)
     model[0].weight = model[0].weight  # (the same parameter under its own name: nothing changes)
     model[1].weight = model[0].weight
+
+
+def _a_step_after_registering(register):
+    model, opt = zero.initialize(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), torch.optim.SGD, stage=1, lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (torch.nn.utils.weight_norm is deprecated)
+        register(model)
+    model(torch.randn(3, 2)).sum().backward()
+    opt.step()
 
 
 def _a_sparse_gradient():

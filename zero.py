@@ -545,6 +545,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.group_members = [list(g["params"]) for g in groups]  # the user's groups, for checkpoints
         self.names = {p: n for n, p in module.named_parameters()}  # a tied weight: its first name
         self.optim.state = _PieceStates(self.names, self.optim.state)
+        self.module = weakref.ref(module)  # (which holds this optimizer: no cycle)
         # step() updates the pieces a window at a time, consecutive pieces spanning at most a bucket
         # (C_B) of the own space (or one larger piece): the gradient in the optimizer's dtype and the
         # optimizer's own temporaries (foreach AdamW's denominators) exist for one window, not for
@@ -836,7 +837,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         would be lost, so it is refused; and so is a parameter given new storage (p.data = t,
         torch.nn.utils.vector_to_parameters), which the step would no longer update. Checked by
         full_state_dict and save_checkpoint too (record=False: the step still raises), which
-        would read the weights without the write."""
+        would read the weights without the write. A trainable parameter registered after
+        zero.initialize (weight_norm's g and v, a layer added to the model) has no shard to step,
+        and is refused too."""
+        module = self.module()
+        added = [n for n, p in module.named_parameters() if p.requires_grad and p not in self.partition.index] \
+            if module is not None else []
+        if added:  # weight_norm's g and v, a layer added to the model: neither laid out, so never stepped
+            raise RuntimeError(f"rank {self.partition.rank}: {added[:3]} were registered after zero.initialize, which "
+                               f"laid out gradients and optimizer states for the parameters it was given only, so the "
+                               f"step would not update them (a parametrization that makes new parameters, such as "
+                               f"weight_norm, or a layer added to the model): apply parametrizations and add layers "
+                               f"before zero.initialize")
         moved = [self.names[p] for p in self.partition.params if not self.parameters.holds(p)]
         if moved:
             raise RuntimeError(f"rank {self.partition.rank}: {moved[:3]} no longer lie in zero's buffers (p.data = "
@@ -1882,7 +1894,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     """
     param_groups = _groups(param_groups)
     _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
-           loss_scale, prefetch, reduction, init_fn, tp_group, optimizer_kwargs)
+           loss_scale, prefetch, reduction, init_fn, device, tp_group, optimizer_kwargs)
     params = list(module.parameters())  # unique: a tied weight is listed once
     trainable, frozen = [p for p in params if p.requires_grad], [p for p in params if not p.requires_grad]
     params = trainable + frozen
@@ -1984,9 +1996,11 @@ def _refuse_load_state_dict(*args):
 
 def _refuse_registration(module, name, param):
     """A hook on every module's register_parameter (torch's global one): a parameter zero laid out
-    registered again after zero.initialize. torch's parametrizations (register_parametrization,
-    orthogonal, weight_norm, spectral_norm) re-register it after moving its data out of zero's
-    buffers with set_(), and a tie made now would hand one module another's shard."""
+    registered again after zero.initialize. torch's parametrizations that keep the weight
+    (register_parametrization, orthogonal, spectral_norm) re-register it after moving its data out
+    of zero's buffers with set_(), and a tie made now would hand one module another's shard. (One
+    that makes new parameters, weight_norm's g and v, is refused by the step: ZeroOptimizer's
+    _refuse_lost_writes.)"""
     if getattr(param, "_zero_laid_out", False) and module._parameters.get(name) is not param:
         raise RuntimeError(f"{type(param).__name__} {tuple(param.shape)} is laid out by zero.initialize, and "
                            f"registering it as {type(module).__name__}.{name} would move it out of zero's buffers "
@@ -1998,7 +2012,7 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_refuse_regi
 
 
 def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
-           loss_scale, prefetch, reduction, init_fn, tp_group, optimizer_kwargs):
+           loss_scale, prefetch, reduction, init_fn, device, tp_group, optimizer_kwargs):
     """Bad input: a clear error that names the fix."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("zero.initialize needs a process group: call torch.distributed.init_process_group"
@@ -2058,6 +2072,10 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     if init_fn is not None and not on_meta:
         raise ValueError(f"init_fn initialises a module built on the meta device, but this one is on "
                          f"{params[0].device} and already initialised: drop init_fn")
+    if device is not None and not on_meta and (torch.device(device).type, torch.device(device).index) not in (
+            (params[0].device.type, params[0].device.index), (params[0].device.type, None)):
+        raise ValueError(f"device places a module built on the meta device, but this one is on {params[0].device} "
+                         f"already: move it before zero.initialize (module.to({str(device)!r})) and drop device")
     for name, p in module.named_parameters():
         if getattr(p, "_zero_laid_out", False):  # a Parameter another model shares (a module is caught above)
             raise ValueError(f"parameter {name} is laid out already by zero.initialize of another module, whose "
