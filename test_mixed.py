@@ -513,8 +513,8 @@ def on_rank_autocast_training(stage, recipe):
         run, opt = DDP(model, find_unused_parameters=True), torch.optim.AdamW(model.parameters(), **OPTIM)
         scaler = torch.amp.GradScaler("cpu", **settings) if recipe == "fp16" else None
     else:
-        run, opt = zero.initialize(model, torch.optim.AdamW, stage=stage, **OPTIM,
-                                   loss_scale=zero.DynamicLossScale(**settings) if recipe == "fp16" else None)
+        scale = zero.DynamicLossScale(**settings, min_scale=0.0) if recipe == "fp16" else None  # (GradScaler has no floor)
+        run, opt = zero.initialize(model, torch.optim.AdamW, stage=stage, **OPTIM, loss_scale=scale)
     log = []
     for step in range(6):
         x, y = micro_batch(step, 0)
@@ -577,8 +577,12 @@ def on_rank_grad_scaler(stage, unscale_first):
     try:
         scaler.step(opt)
     except RuntimeError as e:
-        return str(e)
-    return None
+        error = str(e)
+    else:
+        return None, None
+    opt.zero_grad()  # then a step without GradScaler
+    F.cross_entropy(model(x, *usage(0, dist.get_rank(), symmetric=True)).view(-1, VOCAB), y.view(-1)).backward()
+    return error, opt.step()
 
 
 @pytest.mark.xdist_group("world2")
@@ -587,9 +591,11 @@ def on_rank_grad_scaler(stage, unscale_first):
 def test_grad_scaler_names_zeros_loss_scale(world, stage, unscale_first):
     """torch.amp.GradScaler reads p.grad, which zero leaves None: scaler.step(optimizer) raises,
     naming loss_scale=zero.DynamicLossScale and optimizer.backward (not torch's "No inf checks
-    were recorded for this optimizer")."""
-    for error in world(2).run(on_rank_grad_scaler, stage, unscale_first):
+    were recorded for this optimizer"); the refusal leaves nothing behind: a step without
+    GradScaler after it goes through."""
+    for error, stepped in world(2).run(on_rank_grad_scaler, stage, unscale_first):
         assert error and "DynamicLossScale" in error and "optimizer.backward(loss)" in error, error
+        assert stepped is True, stepped
 
 
 def on_rank_stage3_under_autocast(param_dtype, stage):

@@ -891,6 +891,11 @@ def on_rank_state_dict_around_zero(stage):
             errors[name] = str(e)
     if net.fc1.weight in opt.state:
         errors["optimizer.state of a parameter"] += " (and it left an empty state)"
+    try:  # a copy of the state, as a logger takes one, keeps the behaviour
+        copy.copy(opt.state)[net.fc1.weight]
+    except KeyError as e:
+        errors["a copy of optimizer.state"] = str(e)
+    copy.deepcopy(opt.state)
     return errors, compare("after load_state_dict", zero.full_state_dict(model), before)
 
 
@@ -908,8 +913,9 @@ def test_module_state_dict_load_state_dict_and_conversions_name_the_fix(world, s
         assert "copy the module before zero.initialize" in errors["a submodule's AveragedModel"], errors
         assert "zero.save_checkpoint" in errors["optimizer.state_dict"], errors
         assert "zero.load_checkpoint" in errors["optimizer.load_state_dict"], errors
-        assert errors["optimizer.state of a parameter"].endswith("(a collective)\"") and \
-            "zero.full_optimizer_state(model)['fc1.weight']" in errors["optimizer.state of a parameter"], errors
+        for key in ("optimizer.state of a parameter", "a copy of optimizer.state"):
+            assert errors[key].endswith("(a collective)\"") and "zero.full_optimizer_state(model)['fc1.weight']" \
+                in errors[key], errors
         if stage == 3:
             assert "zero.full_state_dict(model)" in errors["state_dict"], errors
             assert "zero.full_state_dict(model)" in errors["a submodule's state_dict"], errors
@@ -1983,7 +1989,8 @@ def on_rank_bad_inputs():
         "loss_scale must be a number or a zero.DynamicLossScale \\(got str\\)": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.AdamW, stage=1, param_dtype=torch.float16, loss_scale="dynamic"),
         # device places a module built on meta; one built elsewhere would stay where it is
-        "device places a module built on the meta device, but this one is on cpu already: .* drop device": lambda: (
+        "device places a module built on the meta device, but this one is on cpu already: build it under "
+        "torch.device\\('meta'\\) and pass init_fn, or drop device": lambda: (
             zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=1, device="meta")),
         "module has no parameters to shard": lambda: zero.initialize(nn.ReLU(), torch.optim.AdamW, stage=1),
         "parameter 1.weight is torch.float64 on cpu but others are torch.float32 on cpu": lambda: zero.initialize(
@@ -2006,6 +2013,8 @@ def on_rank_bad_inputs():
         "0 is an nn.Embedding with max_norm=1.0, .* at stage 2 .* other ranks own.* max_norm=None": lambda: (
             zero.initialize(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0)), torch.optim.SGD, stage=2, lr=0.1)),
     }
+    for device in ("cpu", "cpu:0"):  # the module's own device, named either way: nothing to refuse
+        zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=1, device=device)
     return missed_errors(cases, (TypeError, ValueError, RuntimeError), match=re.search)
 
 

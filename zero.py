@@ -485,8 +485,14 @@ class _PieceStates(collections.defaultdict):
             raise KeyError(f"{self.names[key]} is a parameter of the model, and zero's optimizer keeps its state "
                            f"in pieces of each rank's shard (optimizer.param_groups lists this rank's, the keys "
                            f"of optimizer.state): zero.full_optimizer_state(model)[{self.names[key]!r}] gathers it "
-                           f"whole (a collective)")
+                           f"whole, once a step has made it (a collective)")
         return super().__missing__(key)
+
+    def __copy__(self):  # (defaultdict's would call the constructor with its own arguments)
+        return type(self)(self.names, self)
+
+    def __reduce__(self):  # copy.deepcopy, pickle
+        return type(self), (self.names, dict(self))
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -783,11 +789,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise TypeError("step() takes no closure: run the forward and backward (optimizer.backward(loss) "
                             "for fp16) before optimizer.step(), which returns False where fp16 skipped the step")
         if hasattr(self, "found_inf"):  # set by torch.amp.GradScaler.step (see _step_supports_amp_scaling)
+            del self.grad_scale, self.found_inf  # (GradScaler deletes them only after a step that returns)
             raise RuntimeError("torch.amp.GradScaler cannot see zero's gradients (p.grad stays None), so it would "
                                "neither unscale them nor find an overflow: drop it, pass loss_scale=zero."
-                               "DynamicLossScale(growth_interval=2000) (GradScaler's defaults) to zero.initialize "
-                               "and call optimizer.backward(loss): the step then scales as GradScaler does, on fp32 "
-                               "parameters under torch.autocast too")
+                               "DynamicLossScale(growth_interval=2000, min_scale=0.0) (GradScaler's settings) to "
+                               "zero.initialize and call optimizer.backward(loss): the step then scales as GradScaler "
+                               "does, on fp32 parameters under torch.autocast too")
         self.parameters.wait()  # stages 1-2: last step's all-gather, if no forward waited for it
         self._refuse_lost_writes()
         self._reduce()
@@ -841,8 +848,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         zero.initialize (weight_norm's g and v, a layer added to the model) has no shard to step,
         and is refused too."""
         module = self.module()
-        added = [n for n, p in module.named_parameters() if p.requires_grad and p not in self.partition.index] \
-            if module is not None else []
+        # (a parameter another zero model laid out is stepped by that model's optimizer)
+        added = [n for n, p in module.named_parameters() if p.requires_grad and p not in self.partition.index
+                 and not getattr(p, "_zero_laid_out", False)] if module is not None else []
         if added:  # weight_norm's g and v, a layer added to the model: neither laid out, so never stepped
             raise RuntimeError(f"rank {self.partition.rank}: {added[:3]} were registered after zero.initialize, which "
                                f"laid out gradients and optimizer states for the parameters it was given only, so the "
@@ -1611,7 +1619,7 @@ class ShardedParameters:
                           f"weight while it is on (its cache) and, for backward, until backward reaches it, so every "
                           f"rank holds the whole model in {dtype} (2Ψ bytes): pass param_dtype={dtype} to "
                           f"zero.initialize instead, which gathers the parameters in {dtype} over an fp32 master "
-                          f"(Section 3.1)", stacklevel=2)
+                          f"(Section 3.1)")
 
     def _release(self, gids):
         for g in gids:
@@ -2072,10 +2080,13 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     if init_fn is not None and not on_meta:
         raise ValueError(f"init_fn initialises a module built on the meta device, but this one is on "
                          f"{params[0].device} and already initialised: drop init_fn")
-    if device is not None and not on_meta and (torch.device(device).type, torch.device(device).index) not in (
-            (params[0].device.type, params[0].device.index), (params[0].device.type, None)):
-        raise ValueError(f"device places a module built on the meta device, but this one is on {params[0].device} "
-                         f"already: move it before zero.initialize (module.to({str(device)!r})) and drop device")
+    if device is not None and not on_meta:
+        want, have = torch.device(device), params[0].device
+        if want.type != have.type or None not in (want.index, have.index) and want.index != have.index:
+            fix = "build it under torch.device('meta') and pass init_fn" if want.type == "meta" else \
+                f"move it before zero.initialize (module.to({str(device)!r}))"
+            raise ValueError(f"device places a module built on the meta device, but this one is on {have} "
+                             f"already: {fix}, or drop device")
     for name, p in module.named_parameters():
         if getattr(p, "_zero_laid_out", False):  # a Parameter another model shares (a module is caught above)
             raise ValueError(f"parameter {name} is laid out already by zero.initialize of another module, whose "
