@@ -1009,10 +1009,10 @@ class ReadsAfterUse(nn.Module):
 def on_rank_weight_read_without_its_module(how):
     """(the error, or None; whether the outputs equal the plain module's, bit for bit)"""
     torch.manual_seed(0)
-    net = ReadsChildWeight(from_step=1 if how == "later" else 0) if how in ("first", "later", "unit") \
+    net = ReadsChildWeight(from_step=1 if how == "later" else 0) if how in ("first", "later", "unit", "unit_generator") \
         else ReadsAfterUse(how)
     plain = copy.deepcopy(net)
-    units = [net] if how == "unit" else None
+    units = [net] if how == "unit" else (m for m in [net]) if how == "unit_generator" else None
     model, opt = zero.initialize(net, torch.optim.SGD, stage=3, lr=0.1, stage3_units=units)
     x = torch.randn(3, DIM) if isinstance(net, ReadsChildWeight) else torch.arange(6).view(2, 3)
     for m in (model, plain):
@@ -1035,8 +1035,9 @@ def test_stage3_weight_read_without_its_module_is_an_error(world):
     """A read of a parameter whose module is not running gets no data at stage 3. In the first
     forward that read raises, naming the fixes; a read that starts after the first forward reads
     NaN, and the gradient that reaches the never-gathered child raises at backward. Tied as a
-    module's own weight, read inside a unit, or in a hook registered with prepend=True: the plain
-    module's outputs, bit for bit."""
+    module's own weight, read inside a unit (stage3_units a list or a generator, which the check
+    for containers once used up, leaving no unit), or in a hook registered with prepend=True: the
+    plain module's outputs, bit for bit."""
     for how in ("first", "linear", "transpose", "hook"):
         for error, _ in world(2).run(on_rank_weight_read_without_its_module, how):
             print(f"{how}: {error}")
@@ -1044,7 +1045,7 @@ def test_stage3_weight_read_without_its_module_is_an_error(world):
     for error, nan in world(2).run(on_rank_weight_read_without_its_module, "later"):
         print(f"later: {error}")
         assert nan and error and "a parameter of child got a gradient" in error and "stage3_units" in error
-    for how in ("unit", "tied", "hook_prepended"):
+    for how in ("unit", "unit_generator", "tied", "hook_prepended"):
         assert world(2).run(on_rank_weight_read_without_its_module, how) == [(None, True)] * 2, how
 
 

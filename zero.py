@@ -1329,6 +1329,7 @@ def gather_groups(module, units):
     of its own, kept from its first use to the end of the forward, so forward moves Ψ and no
     more. torch's nn.MultiheadAttention reads out_proj's parameters without calling out_proj:
     it is always a unit. Returns (groups, [(module, its group indices)], shared groups)."""
+    units = list(units)  # (a generator: read once, by the check below)
     containers = [type(u).__name__ for u in units if isinstance(u, (torch.nn.ModuleList, torch.nn.ModuleDict))]
     if containers:
         raise ValueError(f"stage3_units holds a {containers[0]}, whose forward never runs, so it cannot be gathered "
