@@ -985,6 +985,18 @@ class ReadsChildWeight(nn.Module):
         return self.a(x) @ self.child.weight if self.step > self.from_step else self.a(x)
 
 
+class CallsUnitsChildOutside(nn.Module):
+    """Calls a child of a unit (blk[0]) again after the unit ran: its parameters are the unit's,
+    gathered only while blk runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.blk = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+
+    def forward(self, x):
+        return self.blk[0](self.blk(x))
+
+
 class ReadsAfterUse(nn.Module):
     """Reads the embedding's weight after the embedding ran: in a torch function, through .T, in
     a forward hook registered after zero's; its shape and dtype may be read anywhere."""
@@ -1010,11 +1022,12 @@ def on_rank_weight_read_without_its_module(how):
     """(the error, or None; whether the outputs equal the plain module's, bit for bit)"""
     torch.manual_seed(0)
     net = ReadsChildWeight(from_step=1 if how == "later" else 0) if how in ("first", "later", "unit", "unit_generator") \
-        else ReadsAfterUse(how)
+        else CallsUnitsChildOutside() if how == "outside_unit" else ReadsAfterUse(how)
     plain = copy.deepcopy(net)
-    units = [net] if how == "unit" else (m for m in [net]) if how == "unit_generator" else None
+    units = [net] if how == "unit" else (m for m in [net]) if how == "unit_generator" else \
+        [net.blk] if how == "outside_unit" else None
     model, opt = zero.initialize(net, torch.optim.SGD, stage=3, lr=0.1, stage3_units=units)
-    x = torch.randn(3, DIM) if isinstance(net, ReadsChildWeight) else torch.arange(6).view(2, 3)
+    x = torch.randn(3, DIM) if isinstance(net, (ReadsChildWeight, CallsUnitsChildOutside)) else torch.arange(6).view(2, 3)
     for m in (model, plain):
         if how.startswith("hook"):  # after zero.initialize's own hooks
             m.fc.register_forward_hook(lambda mod, args, out: out * mod.weight.sum(), prepend=how == "hook_prepended")
@@ -1034,7 +1047,8 @@ def on_rank_weight_read_without_its_module(how):
 def test_stage3_weight_read_without_its_module_is_an_error(world):
     """A read of a parameter whose module is not running gets no data at stage 3. In the first
     forward that read raises, naming the fixes; a read that starts after the first forward reads
-    NaN, and the gradient that reaches the never-gathered child raises at backward. Tied as a
+    NaN, and the gradient that reaches the never-gathered child raises at backward. A child of a
+    unit called outside it is told so. Tied as a
     module's own weight, read inside a unit (stage3_units a list or a generator, which the check
     for containers once used up, leaving no unit), or in a hook registered with prepend=True: the
     plain module's outputs, bit for bit."""
@@ -1042,6 +1056,9 @@ def test_stage3_weight_read_without_its_module_is_an_error(world):
         for error, _ in world(2).run(on_rank_weight_read_without_its_module, how):
             print(f"{how}: {error}")
             assert error and "while no module holding it ran" in error and "prepend=True" in error
+    for error, _ in world(2).run(on_rank_weight_read_without_its_module, "outside_unit"):  # told what to do then
+        print(f"outside_unit: {error}")
+        assert error and "module inside a unit called outside it" in error and "leave the unit out" in error
     for error, nan in world(2).run(on_rank_weight_read_without_its_module, "later"):
         print(f"later: {error}")
         assert nan and error and "a parameter of child got a gradient" in error and "stage3_units" in error

@@ -1558,7 +1558,10 @@ class ShardedParameters:
                            f"ran, so it has no data here: stage 3 gathers a parameter only while its module runs. "
                            f"Read it through a module that holds it (a tied head: self.head.weight = "
                            f"self.emb.weight, then self.head(h)), make a module around both a unit "
-                           f"(stage3_units=[...]), or register a forward hook that reads it with prepend=True")
+                           f"(stage3_units=[...]), or register a forward hook that reads it with prepend=True. "
+                           f"A module inside a unit called outside it (block.fc(h) after block(x)) has no hooks "
+                           f"of its own: its parameters are gathered with the unit's, only while the unit runs; "
+                           f"call it inside the unit, or leave the unit out of stage3_units")
 
     def end_raised_forward(self):
         """End a forward that a BaseException other than an Exception (KeyboardInterrupt)
