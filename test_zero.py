@@ -2011,6 +2011,11 @@ def on_rank_bad_inputs():
         "torch.device\\('meta'\\) and pass init_fn, or drop device": lambda: (
             zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=1, device="meta")),
         "module has no parameters to shard": lambda: zero.initialize(nn.ReLU(), torch.optim.AdamW, stage=1),
+        # a unit from another model (a copy made before zero.initialize) would gather nothing
+        "stage3_units holds a Linear that is not a module inside the model": lambda: zero.initialize(
+            nn.Sequential(nn.Linear(2, 2)), torch.optim.AdamW, stage=3, stage3_units=[nn.Linear(2, 2)]),
+        "stage3_units holds a str that is not a module": lambda: zero.initialize(
+            nn.Sequential(nn.Linear(2, 2)), torch.optim.AdamW, stage=3, stage3_units=["0"]),
         "parameter 1.weight is torch.float64 on cpu but others are torch.float32 on cpu": lambda: zero.initialize(
             nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()), torch.optim.AdamW, stage=1),
         "param_groups must hold only this module's parameters, each at most once": lambda: (lambda m: zero.initialize(

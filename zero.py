@@ -1334,6 +1334,11 @@ def gather_groups(module, units):
     if containers:
         raise ValueError(f"stage3_units holds a {containers[0]}, whose forward never runs, so it cannot be gathered "
                          f"around one: pass the modules in it (stage3_units=model.h, not [model.h])")
+    modules = set(module.modules())
+    strays = [type(u).__name__ for u in units if not isinstance(u, torch.nn.Module) or u not in modules]
+    if strays:  # (nothing would gather around it)
+        raise ValueError(f"stage3_units holds a {strays[0]} that is not a module inside the model given to "
+                         f"zero.initialize: pass that model's own modules (stage3_units=model.h)")
     units = set(units) | {m for m in module.modules() if isinstance(m, torch.nn.MultiheadAttention)}
     inside = {sub for u in units for sub in u.modules() if sub is not u}
     owned = [(m, list(m.parameters(recurse=m in units))) for m in module.modules() if m not in inside]
