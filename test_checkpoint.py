@@ -448,6 +448,29 @@ def test_saving_into_an_existing_checkpoint_is_refused(world, tmp_path):
         assert error == f"{path} exists: save each checkpoint into a new directory (e.g. step_000100)", error
 
 
+def on_rank_another_models_optimizer(path):
+    """Two models in one process: each checkpoint call given the other model's optimizer."""
+    (model, opt), (other, other_opt) = make(1), make(3)
+    errors = []
+    for call in (lambda: zero.save_checkpoint(path, model, other_opt),
+                 lambda: zero.load_checkpoint(path, model, other_opt)):
+        try:
+            call()
+        except ValueError as e:
+            errors.append(str(e))
+    return errors, os.path.exists(path)
+
+
+@pytest.mark.xdist_group("world2")
+def test_another_models_optimizer_is_refused(world, tmp_path):
+    """save_checkpoint and load_checkpoint read the optimizer zero.initialize returned with the
+    model: another one passed beside it (a second model's) raises instead of going unnoticed,
+    and nothing is written."""
+    for errors, written in world(2).run(on_rank_another_models_optimizer, str(tmp_path / "ckpt")):
+        assert len(errors) == 2 and all("not the one zero.initialize returned" in e for e in errors), errors
+        assert not written
+
+
 def on_rank_load_with_a_tensor_lr(path):
     """Saved with lr a number, loaded into groups whose lr is a tensor (as for a compiled step):
     the saved value comes back in the live group's form, a tensor of its dtype."""

@@ -2140,9 +2140,13 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
                          f"backend's reduce-scatter) (got {reduction!r})")
 
 
-def _engine(module):
+def _engine(module, optimizer=None):
+    """The ZeroOptimizer zero.initialize returned with `module` (and checks `optimizer` is it)."""
     if not isinstance(getattr(module, "_zero", None), ZeroOptimizer):
         raise ValueError("this module was not returned by zero.initialize")
+    if optimizer is not None and optimizer is not module._zero:
+        raise ValueError("the optimizer given is not the one zero.initialize returned with this model, whose state "
+                         "the checkpoint holds: pass the pair it returned (model, optimizer = zero.initialize(...))")
     return module._zero
 
 
@@ -2221,7 +2225,7 @@ def save_checkpoint(path, model, optimizer, **extra):
     is written: a crash mid-save leaves no directory that looks like a checkpoint. extra: this
     rank's own values (e.g. the step, its data generator's state), given back by load_checkpoint.
     Holds the rank's own state plus one bucket's chunk at a time."""
-    opt, path = _engine(model), pathlib.Path(path)
+    opt, path = _engine(model, optimizer), pathlib.Path(path)
     part, group = opt.partition, opt.partition.group
     opt.parameters.wait()  # (stages 1-2: the all-gather in flight; it also checks no write raced it)
     opt._refuse_lost_writes(record=False)  # (a write the checkpoint would not hold)
@@ -2407,7 +2411,7 @@ def load_checkpoint(path, model, optimizer):
     """Restore what save_checkpoint saved, on every rank (a collective): parameters, master
     weights, optimizer states, loss scale, buffers, this rank's RNG state and extra (returned).
     Any Nd, stage or bucket size; the checkpoint is checked whole before anything is written."""
-    opt, path = _engine(model), pathlib.Path(path)
+    opt, path = _engine(model, optimizer), pathlib.Path(path)
     _refuse_pending_gradients(opt, "load_checkpoint", "they would be added to the loaded weights' next step")
     manifest = _read_manifest(path)
     part = opt.partition
