@@ -354,6 +354,35 @@ def test_clip_grad_norm_matches_torch_for_each_norm_type_and_below_max_norm(worl
         assert clipping == (max_norm < 1) and problems == [], (clipping, problems)
 
 
+def on_rank_clip_value(stage):
+    """One backward, clip_grad_value_ then clip_grad_norm_ (each acts on what the other left),
+    then SGD with lr 1: zero against torch's two clips under DDP, bit for bit."""
+    ddp_model = make_model()
+    ddp = DDP(ddp_model, find_unused_parameters=True)
+    x, y = batch(0)
+    F.cross_entropy(ddp(x, *usage(0, dist.get_rank(), True)).view(-1, VOCAB), y.view(-1)).backward()
+    largest = max(p.grad.abs().max() for p in ddp_model.parameters() if p.grad is not None).item()
+    torch.nn.utils.clip_grad_value_(ddp_model.parameters(), largest / 4)
+    want = torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), 0.05)
+    torch.optim.SGD(ddp_model.parameters(), lr=1.0).step()
+    model, opt = zero.initialize(make_model(), torch.optim.SGD, stage=stage, bucket_numel=64, lr=1.0)
+    F.cross_entropy(model(x, *usage(0, dist.get_rank(), True)).view(-1, VOCAB), y.view(-1)).backward()
+    opt.clip_grad_value_(largest / 4)
+    got = opt.clip_grad_norm_(0.05)
+    opt.step()
+    weights = {n: p for n, p in ddp_model.state_dict().items() if n != "seen"}
+    return compare("norm after the value clip", got, want) + \
+        compare("weights", {n: zero.full_state_dict(model)[n] for n in weights}, weights)
+
+
+@pytest.mark.xdist_group("world2b")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_clip_grad_value_matches_torch(world, stage):
+    """clip_grad_value_ clamps the averaged gradient as torch's clamps each p.grad under DDP: the
+    norm a clip_grad_norm_ after it measures and the weights after the step are torch's."""
+    assert world(2).run(on_rank_clip_value, stage) == [[]] * 2
+
+
 @pytest.mark.xdist_group("world2b")
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_clip_grad_norm_twice_in_a_step_matches_torch_twice(world, stage):
@@ -1933,8 +1962,14 @@ def on_rank_torch_idioms(stage):
     model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
     loss_of(model, 0).backward()
     opt.clip_grad_norm_(1.0)  # then another micro-batch: its gradient would miss the clip
-    failures += missed_errors({"backward after optimizer.clip_grad_norm_() in the same step":
+    failures += missed_errors({"backward after optimizer.clip_grad_norm_() (or clip_grad_value_()) in the same step":
                                lambda: loss_of(model, 1).backward()}, RuntimeError)
+    opt.step()
+    opt.zero_grad()
+    loss_of(model, 1).backward()
+    opt.clip_grad_value_(0.01)  # so is a value clip
+    failures += missed_errors({"backward after optimizer.clip_grad_norm_() (or clip_grad_value_()) in the same step":
+                               lambda: loss_of(model, 2).backward()}, RuntimeError)
     return failures
 
 

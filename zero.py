@@ -632,13 +632,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         dtype, unscaled and clipped: a view of the reduced gradient where nothing changes it or
         where this is its last read (the step's), else one copy of the slice."""
         grad = self.gradients.own(own, self.weights_dtype)
-        if (self.scaler or self.clip_coefs) and grad._is_view() and not last:  # clipping reads it again
+        if (self.scaler or self.clips) and grad._is_view() and not last:  # clipping reads it again
             grad = grad.clone()
         if self.scaler:  # times the scale's reciprocal, as GradScaler.unscale_: the fp32 scale inverted in fp64
             grad.mul_(torch.tensor(self.loss_scale, dtype=torch.float32).double().reciprocal().float().item())
-        for coef in self.clip_coefs:  # (one per clip_grad_norm_ this step)
-            grad.mul_(coef)
+        for clip in self.clips:  # (one per clip_grad_norm_ or clip_grad_value_ this step, in call order)
+            clip(grad)
         return grad
+
+    def clip_grad_value_(self, clip_value):
+        """torch.nn.utils.clip_grad_value_, bit for bit: every element of the averaged gradient
+        clamped to [-clip_value, clip_value]. Elementwise, so each rank clamps its own part."""
+        clip_value = float(clip_value)
+        if self.gradients.micro_batches > 0:  # (no backward yet: nothing to clip)
+            self._reduce()
+            self.clips.append(lambda grad: grad.clamp_(-clip_value, clip_value))
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """torch.nn.utils.clip_grad_norm_, bit for bit: the norm of the per-parameter norms, then
@@ -673,7 +681,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
                                f"so it cannot be clipped. To disable this error and scale the gradients by the "
                                f"non-finite norm anyway, set `error_if_nonfinite=False`")
-        self.clip_coefs.append(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # step() multiplies by it
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self.clips.append(lambda grad: grad.mul_(coef))  # step() multiplies by it
         return total
 
     def _tp_norm(self, norms, params, norm_type):
@@ -881,7 +890,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The step's gradients are used (or dropped): the next step reduces and clips anew."""
         for w in self.weights:
             w.grad = None
-        self.gradients.finished, self.clip_coefs = False, []
+        self.gradients.finished, self.clips = False, []
 
     def zero_grad(self, set_to_none=True):
         if not set_to_none:
@@ -1042,9 +1051,9 @@ class GradientBuckets:
             return
         self.for_params = True  # (also when a gradient comes after all, as from a reentrant checkpoint's backward)
         if self.finished:  # it would miss the clip (and stage 0's all-gather)
-            raise RuntimeError("backward after optimizer.clip_grad_norm_() in the same step: the clip reduced and "
-                               "clipped the gradients so far; call clip_grad_norm_() after the step's last backward, "
-                               "just before step()")
+            raise RuntimeError("backward after optimizer.clip_grad_norm_() (or clip_grad_value_()) in the same step: "
+                               "the clip reduced and clipped the gradients so far; clip after the step's last "
+                               "backward, just before step()")
         if self.stepped:  # its sum would be added to the gradients the step has used
             raise RuntimeError(f"backward reached {self.name}'s parameters after its optimizer.step() without "
                                f"optimizer.zero_grad() (or model.zero_grad()): zero the gradients after each step "
