@@ -513,8 +513,8 @@ def on_rank_autocast_training(stage, recipe):
         run, opt = DDP(model, find_unused_parameters=True), torch.optim.AdamW(model.parameters(), **OPTIM)
         scaler = torch.amp.GradScaler("cpu", **settings) if recipe == "fp16" else None
     else:
-        scale = zero.DynamicLossScale(**settings, min_scale=0.0) if recipe == "fp16" else None  # (GradScaler has no floor)
-        run, opt = zero.initialize(model, torch.optim.AdamW, stage=stage, **OPTIM, loss_scale=scale)
+        loss_scale = zero.DynamicLossScale(**settings, min_scale=0.0) if recipe == "fp16" else None  # (no floor)
+        run, opt = zero.initialize(model, torch.optim.AdamW, stage=stage, **OPTIM, loss_scale=loss_scale)
     log = []
     for step in range(6):
         x, y = micro_batch(step, 0)
@@ -523,16 +523,19 @@ def on_rank_autocast_training(stage, recipe):
         loss = F.cross_entropy(logits.float().view(-1, VOCAB), y.view(-1))
         inf = step == 3 and dist.get_rank() == 0 and recipe == "fp16"
         handle = model.fc1.weight.register_hook(lambda g: g * float("inf")) if inf else None
-        if stage is None and scaler:
+        if stage is not None:  # zero: its own loss scaling and clip
+            opt.backward(loss)
+            norm = opt.clip_grad_norm_(MAX_NORM)
+            opt.step()
+        elif scaler:  # torch's recipe: unscale_, clip, step, update
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
             scaler.step(opt)
             scaler.update()
         else:
-            opt.backward(loss) if stage is not None else loss.backward()
-            norm = opt.clip_grad_norm_(MAX_NORM) if stage is not None else \
-                torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
             opt.step()
         if handle:
             handle.remove()
@@ -568,10 +571,9 @@ def test_autocast_and_grad_scalers_recipe_give_ddps_bits(world, stage, recipe):
 def on_rank_grad_scaler(stage, unscale_first):
     model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, **OPTIM)
     scaler = torch.amp.GradScaler("cpu")
-    x, y = micro_batch(0, 0)
     with torch.autocast("cpu", dtype=torch.float16):
-        logits = model(x, *usage(0, dist.get_rank(), symmetric=True))
-    scaler.scale(F.cross_entropy(logits.float().view(-1, VOCAB), y.view(-1))).backward()
+        loss = loss_of(model, 0, 0)
+    scaler.scale(loss).backward()
     if unscale_first:  # (to clip: it finds no gradient to unscale)
         scaler.unscale_(opt)
     try:
@@ -581,7 +583,7 @@ def on_rank_grad_scaler(stage, unscale_first):
     else:
         return None, None
     opt.zero_grad()  # then a step without GradScaler
-    F.cross_entropy(model(x, *usage(0, dist.get_rank(), symmetric=True)).view(-1, VOCAB), y.view(-1)).backward()
+    loss_of(model, 0, 0).backward()
     return error, opt.step()
 
 

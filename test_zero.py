@@ -32,9 +32,9 @@ OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weig
               "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01))}
 # every optimizer zero.initialize takes (zero.ELEMENTWISE_OPTIMIZERS), with options that reach
 # their less common paths: Adagrad's state made in its constructor, ASGD's averaging from step 2
-EVERY_ELEMENTWISE = {cls.__name__: (cls, dict(lr=1e-2, **{"Adagrad": dict(initial_accumulator_value=0.1),
-                                                          "ASGD": dict(t0=2), "SGD": dict(momentum=0.9),
-                                                          "Adam": dict(amsgrad=True)}.get(cls.__name__, {})))
+OPTIONS = {"Adagrad": dict(initial_accumulator_value=0.1), "ASGD": dict(t0=2), "SGD": dict(momentum=0.9),
+           "Adam": dict(amsgrad=True)}
+EVERY_ELEMENTWISE = {cls.__name__: (cls, dict(lr=1e-2, **OPTIONS.get(cls.__name__, {})))
                      for cls in zero.ELEMENTWISE_OPTIMIZERS}
 ALL_OPTIMIZERS = {**OPTIMIZERS, **EVERY_ELEMENTWISE}
 
@@ -1050,11 +1050,15 @@ class ReadsAfterUse(nn.Module):
 def on_rank_weight_read_without_its_module(how):
     """(the error, or None; whether the outputs equal the plain module's, bit for bit)"""
     torch.manual_seed(0)
-    net = ReadsChildWeight(from_step=1 if how == "later" else 0) if how in ("first", "later", "unit", "unit_generator") \
-        else CallsUnitsChildOutside() if how == "outside_unit" else ReadsAfterUse(how)
+    if how == "outside_unit":
+        net = CallsUnitsChildOutside()
+        units = [net.blk]
+    elif how in ("first", "later", "unit", "unit_generator"):
+        net = ReadsChildWeight(from_step=1 if how == "later" else 0)
+        units = {"unit": [net], "unit_generator": (m for m in [net])}.get(how)
+    else:
+        net, units = ReadsAfterUse(how), None
     plain = copy.deepcopy(net)
-    units = [net] if how == "unit" else (m for m in [net]) if how == "unit_generator" else \
-        [net.blk] if how == "outside_unit" else None
     model, opt = zero.initialize(net, torch.optim.SGD, stage=3, lr=0.1, stage3_units=units)
     x = torch.randn(3, DIM) if isinstance(net, (ReadsChildWeight, CallsUnitsChildOutside)) else torch.arange(6).view(2, 3)
     for m in (model, plain):
@@ -1077,10 +1081,9 @@ def test_stage3_weight_read_without_its_module_is_an_error(world):
     """A read of a parameter whose module is not running gets no data at stage 3. In the first
     forward that read raises, naming the fixes; a read that starts after the first forward reads
     NaN, and the gradient that reaches the never-gathered child raises at backward. A child of a
-    unit called outside it is told so. Tied as a
-    module's own weight, read inside a unit (stage3_units a list or a generator, which the check
-    for containers once used up, leaving no unit), or in a hook registered with prepend=True: the
-    plain module's outputs, bit for bit."""
+    unit called outside it is told so. Tied as a module's own weight, read inside a unit
+    (stage3_units a list or a generator), or in a hook registered with prepend=True: the plain
+    module's outputs, bit for bit."""
     for how in ("first", "linear", "transpose", "hook"):
         for error, _ in world(2).run(on_rank_weight_read_without_its_module, how):
             print(f"{how}: {error}")
