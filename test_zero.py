@@ -1166,6 +1166,41 @@ def test_stage3_input_gradient_is_no_micro_batch(world):
         assert all(torch.equal(got_state[k], v) for k, v in ref_state.items())
 
 
+def on_rank_stage3_held_for_backward():
+    """Gathered bytes (beyond the shard) after each thing a training loop does, from the second
+    step on (the first forward learns the modules' order)."""
+    torch.manual_seed(0)
+    model, opt = zero.initialize(nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                                               nn.Linear(64, 4)), torch.optim.SGD, stage=3, lr=0.1)
+    shard, x, held = zero.model_state_bytes(model), torch.randn(4, 8), {}
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        model(x)
+    held["forward under no_grad"] = zero.model_state_bytes(model) - shard
+    model(x)
+    held["forward"] = zero.model_state_bytes(model) - shard
+    opt.zero_grad()
+    held["zero_grad() with no backward"] = zero.model_state_bytes(model) - shard
+    model(x).sum().backward()
+    held["forward and backward"] = zero.model_state_bytes(model) - shard
+    return held
+
+
+@pytest.mark.xdist_group("world2b")
+def test_stage3_forward_keeps_for_backward_only_what_backward_gathers_first(world):
+    """A forward that builds a graph keeps the groups backward gathers first instead of freeing
+    them and gathering them again: the last module's, and before it up to the prefetch budget
+    (one largest group: the middle Linear), so the last two Linears. A forward under no_grad keeps
+    nothing; zero_grad() frees what a forward kept for a backward that never came; backward frees it."""
+    padded = [-(-n // (zero.ALIGN * 2)) * zero.ALIGN * 2 for n in (64 * 64 + 64, 64 * 4 + 4)]  # 2 ranks
+    for held in world(2).run(on_rank_stage3_held_for_backward):
+        print(held, f"(the last two Linears, padded: {padded} elements)")
+        assert held == {"forward under no_grad": 0, "forward": 4 * sum(padded), "zero_grad() with no backward": 0,
+                        "forward and backward": 0}, held
+
+
 # -----------------------------------------------------------------------------------------
 # Nothing leaks: dropping the model and the optimizer frees everything zero.initialize made,
 # as with a plain module and torch.optim.AdamW

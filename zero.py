@@ -1388,6 +1388,7 @@ class ShardedParameters:
         self.prefetch_numel = prefetch * max(sum(partition.buckets[k].chunk for k in ks) * partition.nd
                                              for ks in self.group_buckets)  # see _prefetch
         self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, {}
+        self.tail = set()  # the groups backward gathers first (see _learn_order)
         self.reads, self.stand_ins = None, set()  # the first forward's check; the stand-ins' storages
         self.detached = set()  # groups the first forward read without a gradient edge (see _read)
         self.gradients = None  # the GradientBuckets, set by initialize
@@ -1582,12 +1583,14 @@ class ShardedParameters:
         stopped: Module.__call__ runs always_call hooks on an Exception only, so the modules it
         stopped in still count as running (their groups would never be freed again) and the
         first forward's check is still active. At zero_grad(), when no module runs (not at the
-        next forward's start: the root module may call itself)."""
+        next forward's start: the root module may call itself). The groups a forward kept for
+        its backward are freed too: that backward did not come (the forward raised, or none ran)."""
         self._stop_reading()
         if any(self.refcount) or any(self.calls.values()):
             self.refcount = [0] * len(self.groups)
             self.calls.clear()
             self._end_forward()
+        self._release(self.tail)
 
     def _start_reading(self):
         if not self.order_known and self.reads is None:
@@ -1602,12 +1605,32 @@ class ShardedParameters:
 
     def _end_forward(self):
         """Free what no module holds: the shared groups, and groups prefetched for a module
-        this forward skipped (an evaluation that leaves out a branch) or never reached (it raised)."""
+        this forward skipped (an evaluation that leaves out a branch) or never reached (it raised).
+        A forward that builds a graph keeps the groups backward gathers first (see _learn_order)."""
         self._finish_prefetch()
-        self._release(range(len(self.groups)) if not self.gradients.in_backward else self.shared)
+        if self.gradients.in_backward:
+            self._release(self.shared)
+        else:
+            self._release([g for g in range(len(self.groups)) if g not in self._kept()])
 
     def _learn_order(self):
-        self.order_known = True  # the units' order, from the first forward that ran to its end
+        """The units' order, from the first forward that ran to its end; and the groups backward
+        gathers first: the last unit's, and the units before it that backward's prefetch takes.
+        A later forward that builds a graph keeps these for backward instead of freeing them and
+        gathering them again straight after (FSDP2 keeps its root's parameters so): an all-gather
+        and a check fewer a step each, and no more held at backward's start than its prefetch holds."""
+        if self.order_known:
+            return
+        self.order_known = True
+        k, budget = len(self.unit_order) - 1, self.prefetch_numel
+        while k >= 0 and (not self.tail or budget > 0):
+            self.tail.update(self.unit_order[k])
+            budget -= sum(self.buffers[g].numel() for g in self.unit_order[k])
+            k -= 1
+
+    def _kept(self):
+        """The groups a forward keeps for backward: the tail, where it builds a graph."""
+        return self.tail if self.order_known and torch.is_grad_enabled() else ()
 
     def _pre_forward(self, gids, args, kwargs):
         # counted (and the call recorded) before the gather: the post-forward hook, which runs also
@@ -1657,7 +1680,7 @@ class ShardedParameters:
         for g in gids:
             self.refcount[g] -= 1
         if not self.gradients.in_backward:  # a forward recomputed in backward (P_a) keeps them for backward
-            self._release([g for g in gids if g not in self.shared])
+            self._release([g for g in gids if g not in self.shared and g not in self._kept()])
         if torch.is_grad_enabled():  # gather again when backward reaches this module
             self._hook_backward(gids, out, call)
         return out
