@@ -433,7 +433,8 @@ def measure_section(args):
             "formula: Section 5 with fp32 parameters and gradients (4 + 4 bytes, K = 8: momentum and variance) or\n"
             "bf16 (2 + 2 bytes, K = 12: fp32 master, momentum, variance). Ratios above 1 are padding (the flat\n"
             f"space is padded to a multiple of {zero.ALIGN} x Nd) and AdamW's 4-byte step counter per parameter piece.\n"
-            "activations: live bytes at the end of forward minus its start (what forward keeps for backward).")
+            "activations: live bytes at the end of forward minus its start (what forward keeps for backward;\n"
+            "at P_os+g+p with the last units' gathered parameters, which the forward keeps for backward).")
     return {"measure": dict(heading="Measured on real ranks: per-rank model states against the formula (Section 5)",
                             rows=rows, text=text)}
 

@@ -249,8 +249,9 @@ def test_communication_volume_is_section_7_exactly(world, nd):
     at 1-2); stage 3 lays out each unit it gathers (a block, the tied embedding, the positions,
     ln_f) as a run of its own, and gathers them in forward and again in backward, all but the
     ones backward gathers first, which the forward keeps for it: the last module's (the tied
-    output layer's, the embedding), and before it up to one block's elements (the prefetch
-    budget), ln_f and the last block. So backward gathers the first block and the positions."""
+    output layer's, the embedding), and before it what backward's prefetch takes (modules until
+    one block's elements are taken): ln_f and the last block. So backward gathers the first
+    block and the positions."""
     config = tiny_odd_config()
     psi = num_params(config)
     assert psi % nd, "the test needs padding"

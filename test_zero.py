@@ -1188,6 +1188,56 @@ def on_rank_stage3_held_for_backward():
     return held
 
 
+PATTERNS = ["two forwards, then two backwards", "a no_grad forward between forward and backward",
+            "backward twice over one graph"]
+
+
+def on_rank_forwards_around_kept_groups(stage, pattern):
+    """3 steps of a loop whose forwards meet the groups a forward kept for backward (from the
+    second step on) still gathered. Returns the losses, the gathered bytes beyond the shard
+    after each step, and the final weights."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1)  # (no state: the shard's bytes stay)
+    g, losses, held = torch.Generator().manual_seed(dist.get_rank()), [], []
+    shard = zero.model_state_bytes(model)
+    for step in range(3):
+        x1, x2 = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+        if pattern == "two forwards, then two backwards":
+            l1, l2 = model(x1).pow(2).mean(), model(x2).pow(2).mean()
+            l1.backward()
+            l2.backward()
+        elif pattern == "a no_grad forward between forward and backward":
+            l1 = model(x1).pow(2).mean()
+            with torch.no_grad():
+                l2 = model(x2).pow(2).mean()
+            l1.backward()
+        else:
+            l1 = l2 = model(x1).pow(2).mean()
+            l1.backward(retain_graph=True)
+            l1.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(torch.stack([l1.detach(), l2.detach()]))
+        held.append(zero.model_state_bytes(model) - shard)
+    return losses, held, zero.full_state_dict(model)
+
+
+@pytest.mark.xdist_group("world2b")
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_stage3_forwards_that_meet_kept_groups_give_stage0_bits(world, pattern):
+    """Forwards that start with the groups an earlier forward kept for backward still gathered
+    (they gather nothing for them) and backwards that free them give stage 0's losses and
+    weights bit for bit (world 2), and nothing stays gathered after a step."""
+    want = world(2).run(on_rank_forwards_around_kept_groups, 0, pattern)
+    for (losses, held, state), (want_losses, _, want_state) in zip(
+            world(2).run(on_rank_forwards_around_kept_groups, 3, pattern), want):
+        print(pattern, [x.tolist() for x in losses], "gathered after each step:", held)
+        assert all(map(torch.equal, losses, want_losses)), (losses, want_losses)
+        assert all(torch.equal(state[k], want_state[k]) for k in want_state)
+        assert held == [0, 0, 0], held
+
+
 @pytest.mark.xdist_group("world2b")
 def test_stage3_forward_keeps_for_backward_only_what_backward_gathers_first(world):
     """A forward that builds a graph keeps the groups backward gathers first instead of freeing

@@ -242,11 +242,11 @@ def test_stage3_forward_after_a_recomputed_backward_keeps_only_what_backward_gat
     last saved tensor; that module's users must still count down, or its parameters stay
     gathered through every later forward (a Linear of each block, growing by a user a step).
     What a forward holds at its end is what backward gathers first, which the forward keeps for
-    it once it knows the modules' order (from the second forward on): the last Linear (the
-    prefetch budget is one Linear's elements, so none before it)."""
-    last = (64 * 64 + 64) * 4  # bytes of the last block's second Linear, fp32
+    it once it knows the modules' order (from the second forward on): the last Linear, and the
+    one before it that backward's prefetch takes (its budget: one Linear's elements)."""
+    last = 2 * (64 * 64 + 64) * 4  # bytes of the last block's two Linears, fp32
     for held in world(2).run(on_rank_stage3_gathered_bytes_after_each_forward):
-        print("gathered after each forward:", held, f"(the last Linear: {last} B)")
+        print("gathered after each forward:", held, f"(the last two Linears: {last} B)")
         assert held == [0, last, last], held
 
 # -----------------------------------------------------------------------------------------

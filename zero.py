@@ -1329,9 +1329,10 @@ class FlatParameters:
 # Section 5.3 -- P_os+g+p: parameters exist in full only while a module uses them.
 # Each rank keeps its chunks of every bucket ((4 + 4 + K)Ψ/Nd in all). Before a module's
 # forward and again before its backward its parameters are all-gathered, bucket by bucket,
-# straight into the buffer they are views of (Section 7.2.2: Ψ in forward, Ψ in backward), and
-# freed after the forward and once backward has all their gradients. Every rank must run the
-# same modules in the same order (as with FSDP and DeepSpeed ZeRO-3).
+# straight into the buffer they are views of (Section 7.2.2: Ψ in forward, Ψ in backward, less
+# the last units, which a forward keeps for backward), and freed after the forward and once
+# backward has all their gradients. Every rank must run the same modules in the same order (as
+# with FSDP and DeepSpeed ZeRO-3).
 def gather_groups(module, units):
     """What stage 3 gathers together: a unit (e.g. a transformer block) all the parameters below
     it, any other module its own. A parameter of several modules (a tied embedding) is a group
@@ -1402,7 +1403,8 @@ class ShardedParameters:
             m.register_forward_hook(lambda mod, args, out, gids=gids: self._post_forward(gids, out), always_call=True)
         for m in module.modules():  # a module inside a unit too: its parameters are freed with the unit's
             m.register_state_dict_pre_hook(self._refuse_state_dict)
-        # always_call: a forward that raised frees the groups it prefetched too
+        # always_call: a forward that raised frees the groups it prefetched too (but those kept
+        # for backward: zero_grad() frees them)
         module.register_forward_hook(lambda mod, args, out: self._end_forward(), always_call=True)
         module.register_forward_hook(lambda mod, args, out: self._learn_order())  # (a forward that raised: not all)
         module.register_forward_pre_hook(lambda mod, args: self._start_reading(), prepend=True)
@@ -1488,7 +1490,7 @@ class ShardedParameters:
                                "collective), zero.save_checkpoint(path, model, optimizer) saves the shards")
 
     def _gather(self, gids, prefetch=False):
-        """Gather groups gids (prefetch: leave the all-gathers in flight). Returns their elements."""
+        """Gather groups gids (prefetch: leave the all-gathers in flight)."""
         part = self.partition
         for g in gids:
             buf = self.buffers[g]
@@ -1516,7 +1518,6 @@ class ShardedParameters:
             else:
                 for work in works:
                     work.wait()
-        return sum(self.buffers[g].numel() for g in gids)
 
     def _check_same_group(self, g):
         """Before each gather the ranks compare the group's index (an all-reduce of 2 integers): a
@@ -1548,12 +1549,20 @@ class ShardedParameters:
 
     def _prefetch(self, gids, step):
         """Gather the next units (in the first forward's order, reversed in backward) as this one
-        starts, up to `prefetch` times the largest unit's elements ahead, so a small module
-        between two blocks does not leave the next block's gather exposed."""
-        k, budget = self.unit_position.get(id(gids)), self.prefetch_numel
-        while k is not None and budget > 0 and 0 <= k + step < len(self.unit_order):
+        starts, so a small module between two blocks does not leave the next block's gather exposed."""
+        k = self.unit_position.get(id(gids))
+        for ahead in self._ahead(k, step) if k is not None else ():
+            self._gather(ahead, prefetch=True)
+
+    def _ahead(self, k, step):
+        """The units after the one at position k of the order (step +1; before it: -1), up to
+        `prefetch` times the largest unit's elements."""
+        units, budget = [], self.prefetch_numel
+        while budget > 0 and 0 <= k + step < len(self.unit_order):
             k += step
-            budget -= self._gather(self.unit_order[k], prefetch=True)
+            units.append(self.unit_order[k])
+            budget -= sum(self.buffers[g].numel() for g in self.unit_order[k])
+        return units
 
     def _read(self, m, t, func):
         """In the first forward, a read of a freed parameter's values is an error, not NaN: a
@@ -1590,6 +1599,7 @@ class ShardedParameters:
             self.refcount = [0] * len(self.groups)
             self.calls.clear()
             self._end_forward()
+        self._finish_prefetch()  # (no buffer is freed while an all-gather writes into it)
         self._release(self.tail)
 
     def _start_reading(self):
@@ -1618,15 +1628,12 @@ class ShardedParameters:
         gathers first: the last unit's, and the units before it that backward's prefetch takes.
         A later forward that builds a graph keeps these for backward instead of freeing them and
         gathering them again straight after (FSDP2 keeps its root's parameters so): an all-gather
-        and a check fewer a step each, and no more held at backward's start than its prefetch holds."""
+        and a check fewer a step each, and what backward's start holds anyway."""
         if self.order_known:
             return
-        self.order_known = True
-        k, budget = len(self.unit_order) - 1, self.prefetch_numel
-        while k >= 0 and (not self.tail or budget > 0):
-            self.tail.update(self.unit_order[k])
-            budget -= sum(self.buffers[g].numel() for g in self.unit_order[k])
-            k -= 1
+        self.order_known, last = True, len(self.unit_order) - 1
+        if last >= 0:
+            self.tail = {g for gids in [self.unit_order[last]] + self._ahead(last, -1) for g in gids}
 
     def _kept(self):
         """The groups a forward keeps for backward: the tail, where it builds a graph."""
