@@ -1621,14 +1621,16 @@ class ShardedParameters:
         if self.gradients.in_backward:
             self._release(self.shared)
         else:
-            self._release([g for g in range(len(self.groups)) if g not in self._kept()])
+            kept = self._kept()
+            self._release([g for g in range(len(self.groups)) if g not in kept])
 
     def _learn_order(self):
         """The units' order, from the first forward that ran to its end; and the groups backward
         gathers first: the last unit's, and the units before it that backward's prefetch takes.
         A later forward that builds a graph keeps these for backward instead of freeing them and
         gathering them again straight after (FSDP2 keeps its root's parameters so): an all-gather
-        and a check fewer a step each, and what backward's start holds anyway."""
+        and a check fewer a step each, and what backward holds at its start where it starts at
+        the last unit."""
         if self.order_known:
             return
         self.order_known, last = True, len(self.unit_order) - 1
@@ -1636,8 +1638,9 @@ class ShardedParameters:
             self.tail = {g for gids in [self.unit_order[last]] + self._ahead(last, -1) for g in gids}
 
     def _kept(self):
-        """The groups a forward keeps for backward: the tail, where it builds a graph."""
-        return self.tail if self.order_known and torch.is_grad_enabled() else ()
+        """The groups a forward keeps for backward: the tail (empty until the order is known),
+        where it builds a graph."""
+        return self.tail if torch.is_grad_enabled() else ()
 
     def _pre_forward(self, gids, args, kwargs):
         # counted (and the call recorded) before the gather: the post-forward hook, which runs also
