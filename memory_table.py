@@ -15,6 +15,7 @@ import argparse
 import collections
 import ctypes
 import dataclasses
+import faulthandler
 import gc
 import inspect
 import json
@@ -22,7 +23,6 @@ import math
 import queue
 import re
 import resource
-import signal
 import statistics
 import sys
 import time
@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 import train
 import zero
 from gpt import GPT, PRESETS, num_params
-from ranks import run_on_ranks, settled
+from ranks import RankEnded, run_on_ranks, settled
 
 STAGES = ["baseline", "P_os", "P_os+g", "P_os+g+p"]   # stage 0 (plain DP), 1, 2, 3
 GB = 1e9                                              # bytes; the paper's GB
@@ -511,7 +511,7 @@ class CommCounter:
 
 FIT_BUDGET_MB = 200   # per rank: the default run fits a handful of blocks at stage 0
 M_ARENA_MAX, M_MMAP_THRESHOLD = -8, -3   # glibc's mallopt parameters (malloc.h)
-ALARM_S = 900   # a rank left waiting for a peer that died without a word ends itself after this
+STALL_S = 180   # a try takes 4-10 s: a rank still in it after this prints its threads' stacks and ends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -569,7 +569,8 @@ def train_under_cap(setting, stage, n_layer):
     Returns psi and FIT_NOTE's bytes (peak, init_peak, steady = held, activations,
     largest_temporary = C_B) above the address space before the model. Raises
     MemoryError("did not fit ...") when an allocation fails under the cap."""
-    signal.alarm(ALARM_S)
+    faulthandler.enable()   # a fatal signal prints where each thread was
+    faulthandler.dump_traceback_later(STALL_S, exit=True)   # and so does a stall, then ends the rank
     # glibc: one malloc arena for every thread (each would reserve 64 MB of address space), and
     # a fixed mmap threshold, so that every tensor that matters is a mapping unmapped when freed
     libc = ctypes.CDLL(None)
@@ -627,18 +628,23 @@ def train_under_cap(setting, stage, n_layer):
         raise
     finally:
         resource.setrlimit(resource.RLIMIT_AS, limit)
-        signal.alarm(0)
+        faulthandler.cancel_dump_traceback_later()
     return dict(psi=psi, peak=_vm("VmPeak") - base, **seen)
 
 
-def try_fit(setting, stage, n_layer):
+def try_fit(setting, stage, n_layer, again=True):
     """One try on setting.nd fresh ranks: (True, every rank's train_under_cap result) if all
-    trained two steps, (False, "did not fit: ...") if one ran out of memory under the cap."""
+    trained two steps, (False, "did not fit: ...") if one ran out of memory under the cap. A try
+    whose rank ends without a word (a signal, or the stall watchdog: its stacks are on stderr) is
+    run once more, and raised if that ends the same way."""
     try:
-        return True, run_on_ranks(setting.nd, train_under_cap, setting, stage, n_layer, timeout=ALARM_S + 60)
-    except queue.Empty:
-        raise RuntimeError(f"no result in {ALARM_S + 60} s at stage {stage}, n_layer {n_layer}: a rank died "
-                           "without reporting (its peers end themselves at the alarm)") from None
+        return True, run_on_ranks(setting.nd, train_under_cap, setting, stage, n_layer, timeout=STALL_S + 60)
+    except (RankEnded, queue.Empty) as e:
+        what = str(e) or f"no result in {STALL_S + 60} s"
+        if not again:
+            raise RuntimeError(f"stage {stage}, n_layer {n_layer} ended without a result twice: {what}") from None
+        print(f"  stage {stage}, n_layer {n_layer}: {what}; trying once more", file=sys.stderr, flush=True)
+        return try_fit(setting, stage, n_layer, again=False)
     except RuntimeError as e:
         line = next((l for l in str(e).splitlines() if l.startswith("MemoryError: did not fit")), None)
         if line is None:   # not the cap: a real error

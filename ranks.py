@@ -10,6 +10,8 @@ fn must be a module-level function (spawn pickles it by name). Each rank sees th
 torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 """
 import os
+import queue
+import signal
 import socket
 import time
 import traceback
@@ -47,7 +49,9 @@ def init_ranks(rank, nd, port, master=LOOPBACK, timeout=None, env=None, backend=
 def rank_main(rank, nd, port, fn, args, results, master=LOOPBACK, setup=None, env=None, backend="gloo"):
     """The body of one rank: setup() if given (bench.py moves into a network namespace before
     any socket opens), init_ranks, then fn(*args). Puts (rank, True, its result) on `results`,
-    or (rank, False, the traceback) if any of it raised."""
+    or (rank, False, the traceback) if any of it raised, and sees it written before going on:
+    destroying the process group can wait on a collective a failed peer never joins, and the
+    thread that writes the queue needs the interpreter lock that wait may hold."""
     try:
         if setup is not None:
             setup()
@@ -56,13 +60,16 @@ def rank_main(rank, nd, port, fn, args, results, master=LOOPBACK, setup=None, en
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
+        results.close()
+        results.join_thread()   # the report is in the pipe
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def run_on_ranks(nd, fn, *args, timeout=600, backend="gloo", master=LOOPBACK, port=None, setups=None, envs=None):
     """fn(*args) on nd new ranks; their results in rank order. A rank's failure kills them all and
-    is raised. timeout: seconds to wait for each result (None: no limit, for bench.py's long-lived
+    is raised; a rank that ends without a result (a signal, a crash) kills them all and raises
+    RankEnded within a second. timeout: seconds to wait for each result (None: no limit, for bench.py's long-lived
     ranks). bench.py's emulated nodes (bench.Nodes.placement) give rank 0's address and store port,
     and per rank a setup to run first and more environment variables."""
     ctx = mp.get_context("spawn")
@@ -75,7 +82,7 @@ def run_on_ranks(nd, fn, *args, timeout=600, backend="gloo", master=LOOPBACK, po
         p.start()
     out = {}
     for _ in procs:
-        rank, ok, value = results.get(timeout=timeout)
+        rank, ok, value = _next_result(results, procs, out, timeout)
         if not ok:  # the other ranks may wait forever in a collective this one left
             for p in procs:
                 p.kill()
@@ -84,6 +91,34 @@ def run_on_ranks(nd, fn, *args, timeout=600, backend="gloo", master=LOOPBACK, po
     for p in procs:
         p.join()
     return [out[r] for r in range(nd)]
+
+
+class RankEnded(RuntimeError):
+    """A rank ended without putting a result: killed by a signal, or exited from under fn."""
+
+
+def _next_result(results, procs, out, timeout):
+    """The next (rank, ok, value) on results. Raises RankEnded, after killing the others, if a
+    rank not in `out` ended without one, and queue.Empty after `timeout` seconds (None: never) without one."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        # read before the get: a rank writes its report to the pipe before it ends
+        gone = {r: p.exitcode for r, p in enumerate(procs) if r not in out and p.exitcode is not None}
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            if gone:
+                for p in procs:
+                    p.kill()
+                raise RankEnded(f"{len(procs)} ranks: " + ", ".join(
+                    f"rank {r} ended without a result ({_exit_name(code)})" for r, code in gone.items())) from None
+            if deadline is not None and time.monotonic() > deadline:
+                raise
+
+
+def _exit_name(code):
+    """A process's exit code in words: "exit code 1", "killed by SIGSEGV"."""
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 def settled(measure, readings=3, interval=0.05, timeout=5.0):

@@ -9,8 +9,11 @@ against these.
 """
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from fractions import Fraction
 from pathlib import Path
@@ -22,6 +25,7 @@ import torch.distributed as dist
 import memory_table as mt
 import zero
 from gpt import GPT, GPTConfig, PRESETS, num_params
+from ranks import RankEnded, run_on_ranks
 
 K = 12
 # The paper's Table 1 (GB), typed again: {Ψ: {Nd: (P_os, P_os+g, P_os+g+p)}}
@@ -335,6 +339,31 @@ def test_cli_bad_flags_say_what_to_change(monkeypatch, capsys, flags, message):
     with pytest.raises(SystemExit):
         mt.main(flags)
     assert message in capsys.readouterr().err
+
+def end_rank_1(how):
+    """On a rank: rank 1 ends without a result, by exiting or by a signal; rank 0 waits on, as a
+    rank whose collective is stuck would (gloo tells a peer that a process ended, but not that a
+    rank stopped)."""
+    if dist.get_rank() == 1:
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(300)
+
+
+@pytest.mark.parametrize("how, words", [("exit", "rank 1 ended without a result (exit code 3)"),
+                                        ("signal", "rank 1 ended without a result (killed by SIGSEGV)")])
+def test_a_rank_that_ends_without_a_result_is_named_at_once_not_at_the_timeout(how, words):
+    """The fit search's ranks run under a memory cap, where a rank can die from a signal without
+    a word: run_on_ranks names it within seconds and ends its peers, instead of waiting for a
+    result until the timeout (here 300 s)."""
+    started = time.monotonic()
+    with pytest.raises(RankEnded) as e:
+        run_on_ranks(2, end_rank_1, how, timeout=300)
+    seconds = time.monotonic() - started
+    print(f"{how}: {e.value} after {seconds:.1f} s")
+    assert words in str(e.value) and "rank 0" not in str(e.value) and seconds < 60, (str(e.value), seconds)
+
 
 # Small enough for CI: the tiny preset (0.2M parameters a block) on 2 ranks under 100 MB each. One
 # sequence of 128 tokens a rank makes activations about 6.5 bytes a parameter in fp32, above what
