@@ -1380,6 +1380,80 @@ def test_training_after_a_forward_that_raised_matches_skipping_the_batch(world, 
                 (error, raise_at, got[2:], want[2:])
 
 
+class Recorded:
+    """An all-gather's work, and the storage it writes into; wait() marks it waited."""
+    def __init__(self, work, out):
+        self.work, self.storage, self.waited = work, out.untyped_storage()._cdata, False
+
+    def wait(self, *args):
+        self.waited = True
+        return self.work.wait(*args)
+
+
+def on_rank_gather_that_raised_midway(where):
+    """Losses of 4 steps of good batches; before step 2, unless where is None, a bad batch's
+    forward raises on every rank from the start of a stage-3 gather's second all-gather (here,
+    where an allocation past a memory cap failed), after the first was started: in the first
+    gather of the forward (where="on demand") or in the first prefetch ("prefetch"). Also each
+    buffer freed while an all-gather started into it was still unwaited: none may be (gloo's
+    thread would write into freed memory, which crashed ranks under the cap)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[RaisingBlock() for _ in range(4)], nn.Linear(DIM, 1))
+    model, opt = zero.initialize(model, torch.optim.AdamW, stage=3, bucket_numel=40, lr=1e-2,
+                                 stage3_units=list(model[:4]), prefetch=1)
+    sharded, all_gather, free, gather = opt.parameters, opt.partition.all_gather, opt.parameters._free, opt.parameters._gather
+    started, freed_under, state = [], [], dict(armed=False, prefetch=None, calls=0)
+
+    def recording_all_gather(out, mine, async_op=True):
+        state["calls"] += 1
+        if state["armed"] and state["prefetch"] == (where == "prefetch") and state["calls"] == 2:
+            state["armed"] = False
+            raise BadBatch  # after the gather's first all-gather started
+        started.append(Recorded(all_gather(out, mine, async_op), out))
+        return started[-1]
+
+    def gather_counting(gids, prefetch=False):
+        state["prefetch"], state["calls"] = prefetch, 0
+        return gather(gids, prefetch)
+
+    def checked_free(g):  # (what _free waits for, it waits for before it frees the buffer)
+        storage, gathered = sharded.buffers[g].untyped_storage()._cdata, sharded._gathered(g)
+        free(g)
+        if gathered and not sharded._gathered(g):
+            freed_under.extend(g for r in started if r.storage == storage and not r.waited)
+
+    opt.partition.all_gather, sharded._gather, sharded._free = recording_all_gather, gather_counting, checked_free
+    losses = []
+    for step in range(4):
+        if step == 2 and where is not None:
+            state["armed"] = True
+            try:
+                model(torch.randn(4, DIM)).pow(2).mean().backward()
+            except BadBatch:
+                pass
+            assert not state["armed"], "the bad batch never raised"
+            opt.zero_grad()
+        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1000 * step + dist.get_rank()))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), freed_under
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage3_gather_that_raised_midway_frees_no_buffer_under_an_all_gather(world):
+    """The all-gathers a gather started before it raised are waited for before their buffer is
+    freed (by the module's always_call post-forward hook, or the forward's end), and training
+    goes on with the bits of skipping the batch."""
+    skipped = world(2).run(on_rank_gather_that_raised_midway, None)
+    for where in ("on demand", "prefetch"):
+        for (losses, freed_under), (want, _) in zip(world(2).run(on_rank_gather_that_raised_midway, where), skipped):
+            print(f"{where}: buffers freed under an unwaited all-gather: {freed_under}; losses {losses.tolist()}")
+            assert freed_under == [] and torch.equal(losses, want), (where, freed_under, losses, want)
+
+
 def on_rank_dropped_model_is_freed(stage):
     import weakref
     before = zero.live_storages()

@@ -1474,6 +1474,7 @@ class ShardedParameters:
         return self.buffers[g].untyped_storage().nbytes() > 0
 
     def _free(self, g):
+        self._wait_gathered(g)  # never under an all-gather still writing (a gather that raised midway)
         if not self._gathered(g):  # freed already: its parameters are stand-ins
             return
         self.buffers[g].untyped_storage().resize_(0)
@@ -1510,14 +1511,14 @@ class ShardedParameters:
             for p, view, stand_in in self.views[g]:
                 p.data = view
             start = part.buckets[self.group_buckets[g][0]].start
-            # one all-gather per bucket, from every rank's shard into the parameters' own buffer
-            works = [part.all_gather(buf[part.flat_range(k).start - start:part.flat_range(k).stop - start],
-                                     self.shard[part.own(k)]) for k in self.group_buckets[g]]
-            if prefetch:  # waited for when the group is used
-                self.in_flight[g] = works
-            else:
-                for work in works:
-                    work.wait()
+            # one all-gather per bucket, from every rank's shard into the parameters' own buffer,
+            # each in flight recorded as it starts (if one raises, _free still waits for the others)
+            works = self.in_flight[g] = [None] * len(self.group_buckets[g])
+            for i, k in enumerate(self.group_buckets[g]):
+                works[i] = part.all_gather(buf[part.flat_range(k).start - start:part.flat_range(k).stop - start],
+                                           self.shard[part.own(k)])
+            if not prefetch:  # prefetched: waited for when the group is used
+                self._wait_gathered(g)
 
     def _check_same_group(self, g):
         """Before each gather the ranks compare the group's index (an all-reduce of 2 integers): a
@@ -1539,9 +1540,17 @@ class ShardedParameters:
                                f"{self.names[-low]}): {rule}")
 
     def _wait_gathered(self, g):
-        """Wait for group g's all-gathers, if a prefetch left them in flight."""
+        """Wait for group g's all-gathers in flight, every one before raising the first error:
+        an all-gather writes into the buffer until it ends, and the buffer may be freed next."""
+        errors = []
         for work in self.in_flight.pop(g, ()):
-            work.wait()
+            try:
+                if work is not None:  # (None: its start raised)
+                    work.wait()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def _finish_prefetch(self):
         for g in list(self.in_flight):
