@@ -298,12 +298,12 @@ class FlatPartition:
             # all-to-all: chunk j of my bucket to rank j -> row j of `received` is rank j's copy of my
             # chunk, (nd * chunk,) = one bucket, whatever Nd
             received = torch.empty_like(bucket)
-            work = dist.all_to_all_single(received, bucket, group=self.group, async_op=True)
-            return work, bucket, received.view(self.nd, chunk)
+            rows = received.view(self.nd, chunk)  # (before the start: a failure after it would free `received`)
+            return dist.all_to_all_single(received, bucket, group=self.group, async_op=True), bucket, rows
         # native: the backend's reduce-scatter, in place: my chunk of the bucket ends as the sum
         mine = bucket[self.rank * chunk:(self.rank + 1) * chunk]
-        work = dist.reduce_scatter_single(mine, bucket, group=self.group, async_op=True)
-        return work, bucket, mine.view(1, chunk)
+        rows = mine.view(1, chunk)
+        return dist.reduce_scatter_single(mine, bucket, group=self.group, async_op=True), bucket, rows
 
     def finish_reduce(self, pending, out, add):
         """Wait for a reduce_scatter; write its mean into out (chunk,), or add it (add=True).
