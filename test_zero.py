@@ -1390,23 +1390,30 @@ class Recorded:
         return self.work.wait(*args)
 
 
-def on_rank_gather_that_raised_midway(where):
+RAISE_IN = {"on demand": (False, 0), "prefetch": (True, 0), "prefetch of a kept unit": (True, 2)}
+
+
+def on_rank_gather_that_raised_midway(where, zero_grad_after):
     """Losses of 4 steps of good batches; before step 2, unless where is None, a bad batch's
     forward raises on every rank from the start of a stage-3 gather's second all-gather (here,
-    where an allocation past a memory cap failed), after the first was started: in the first
-    gather of the forward (where="on demand") or in the first prefetch ("prefetch"). Also each
-    buffer freed while an all-gather started into it was still unwaited: none may be (gloo's
-    thread would write into freed memory, which crashed ranks under the cap)."""
+    where an allocation past a memory cap failed), after the first started: RAISE_IN[where] is
+    (prefetch, which such gather of the forward): the first on demand (the first block's), the
+    first prefetch (the second block's), or the third prefetch (the last block's, which a forward
+    keeps for backward). zero_grad() follows the error if zero_grad_after (after an Exception it
+    need not). Also each buffer freed while an all-gather started into it was still unwaited:
+    none may be (gloo's thread would write into freed memory, which crashed ranks under the cap)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[RaisingBlock() for _ in range(4)], nn.Linear(DIM, 1))
     model, opt = zero.initialize(model, torch.optim.AdamW, stage=3, bucket_numel=40, lr=1e-2,
                                  stage3_units=list(model[:4]), prefetch=1)
     sharded, all_gather, free, gather = opt.parameters, opt.partition.all_gather, opt.parameters._free, opt.parameters._gather
-    started, freed_under, state = [], [], dict(armed=False, prefetch=None, calls=0)
+    started, freed_under = [], []
+    state = dict(armed=False, prefetch=None, calls=0, gathers={True: -1, False: -1})
 
     def recording_all_gather(out, mine, async_op=True):
         state["calls"] += 1
-        if state["armed"] and state["prefetch"] == (where == "prefetch") and state["calls"] == 2:
+        if state["armed"] and (state["prefetch"], state["gathers"][state["prefetch"]]) == RAISE_IN[where] \
+                and state["calls"] == 2:
             state["armed"] = False
             raise BadBatch  # after the gather's first all-gather started
         started.append(Recorded(all_gather(out, mine, async_op), out))
@@ -1414,6 +1421,7 @@ def on_rank_gather_that_raised_midway(where):
 
     def gather_counting(gids, prefetch=False):
         state["prefetch"], state["calls"] = prefetch, 0
+        state["gathers"][prefetch] += 1
         return gather(gids, prefetch)
 
     def checked_free(g):  # (what _free waits for, it waits for before it frees the buffer)
@@ -1426,13 +1434,14 @@ def on_rank_gather_that_raised_midway(where):
     losses = []
     for step in range(4):
         if step == 2 and where is not None:
-            state["armed"] = True
+            state["armed"], state["gathers"] = True, {True: -1, False: -1}
             try:
                 model(torch.randn(4, DIM)).pow(2).mean().backward()
             except BadBatch:
                 pass
             assert not state["armed"], "the bad batch never raised"
-            opt.zero_grad()
+            if zero_grad_after:
+                opt.zero_grad()
         x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1000 * step + dist.get_rank()))
         loss = model(x).pow(2).mean()
         loss.backward()
@@ -1445,13 +1454,17 @@ def on_rank_gather_that_raised_midway(where):
 @pytest.mark.xdist_group("world2")
 def test_stage3_gather_that_raised_midway_frees_no_buffer_under_an_all_gather(world):
     """The all-gathers a gather started before it raised are waited for before their buffer is
-    freed (by the module's always_call post-forward hook, or the forward's end), and training
-    goes on with the bits of skipping the batch."""
-    skipped = world(2).run(on_rank_gather_that_raised_midway, None)
-    for where in ("on demand", "prefetch"):
-        for (losses, freed_under), (want, _) in zip(world(2).run(on_rank_gather_that_raised_midway, where), skipped):
-            print(f"{where}: buffers freed under an unwaited all-gather: {freed_under}; losses {losses.tolist()}")
-            assert freed_under == [] and torch.equal(losses, want), (where, freed_under, losses, want)
+    freed (by the module's always_call post-forward hook, the forward's end, or the gather
+    itself), the group is never taken for gathered (a group the forward keeps for backward would
+    otherwise keep unfilled buckets into the next forward), and training goes on with the bits of
+    skipping the batch, with or without zero_grad() after the error."""
+    skipped = world(2).run(on_rank_gather_that_raised_midway, None, True)
+    for where, zero_grad_after in itertools.product(RAISE_IN, [True, False]):
+        for (losses, freed_under), (want, _) in zip(world(2).run(on_rank_gather_that_raised_midway, where,
+                                                                 zero_grad_after), skipped):
+            print(f"{where}, zero_grad {zero_grad_after}: buffers freed under an unwaited all-gather: {freed_under}; "
+                  f"losses {losses.tolist()}")
+            assert freed_under == [] and torch.equal(losses, want), (where, zero_grad_after, freed_under, losses, want)
 
 
 def on_rank_dropped_model_is_freed(stage):

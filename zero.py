@@ -1475,8 +1475,10 @@ class ShardedParameters:
 
     def _free(self, g):
         self._wait_gathered(g)  # never under an all-gather still writing (a gather that raised midway)
-        if not self._gathered(g):  # freed already: its parameters are stand-ins
-            return
+        if self._gathered(g):  # (freed already: its parameters are stand-ins)
+            self._drop(g)
+
+    def _drop(self, g):
         self.buffers[g].untyped_storage().resize_(0)
         for p, view, stand_in in self.views[g]:
             p.data = stand_in
@@ -1514,9 +1516,13 @@ class ShardedParameters:
             # one all-gather per bucket, from every rank's shard into the parameters' own buffer,
             # each in flight recorded as it starts (if one raises, _free still waits for the others)
             works = self.in_flight[g] = [None] * len(self.group_buckets[g])
-            for i, k in enumerate(self.group_buckets[g]):
-                works[i] = part.all_gather(buf[part.flat_range(k).start - start:part.flat_range(k).stop - start],
-                                           self.shard[part.own(k)])
+            try:
+                for i, k in enumerate(self.group_buckets[g]):
+                    works[i] = part.all_gather(buf[part.flat_range(k).start - start:part.flat_range(k).stop - start],
+                                               self.shard[part.own(k)])
+            except BaseException:  # not all started: freed once those that did end, never taken for gathered
+                self._free(g)
+                raise
             if not prefetch:  # prefetched: waited for when the group is used
                 self._wait_gathered(g)
 
@@ -1540,16 +1546,20 @@ class ShardedParameters:
                                f"{self.names[-low]}): {rule}")
 
     def _wait_gathered(self, g):
-        """Wait for group g's all-gathers in flight, every one before raising the first error:
-        an all-gather writes into the buffer until it ends, and the buffer may be freed next."""
-        errors = []
-        for work in self.in_flight.pop(g, ()):
+        """Wait for group g's all-gathers in flight, each leaving in_flight as it ends (an
+        interrupt leaves the rest for _free to wait for). If one failed, the group is freed once
+        all have ended, never taken for gathered, and the first error raised."""
+        works, errors = self.in_flight.get(g, []), []
+        while works:
             try:
-                if work is not None:  # (None: its start raised)
-                    work.wait()
+                if works[0] is not None:  # (None: its start raised)
+                    works[0].wait()
             except Exception as e:
                 errors.append(e)
+            works.pop(0)
+        self.in_flight.pop(g, None)
         if errors:
+            self._drop(g)
             raise errors[0]
 
     def _finish_prefetch(self):
