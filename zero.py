@@ -298,12 +298,12 @@ class FlatPartition:
             # all-to-all: chunk j of my bucket to rank j -> row j of `received` is rank j's copy of my
             # chunk, (nd * chunk,) = one bucket, whatever Nd
             received = torch.empty_like(bucket)
-            rows = received.view(self.nd, chunk)  # (before the start: a failure after it would free `received`)
-            return dist.all_to_all_single(received, bucket, group=self.group, async_op=True), bucket, rows
+            work = dist.all_to_all_single(received, bucket, group=self.group, async_op=True)
+            return work, bucket, received.view(self.nd, chunk)
         # native: the backend's reduce-scatter, in place: my chunk of the bucket ends as the sum
         mine = bucket[self.rank * chunk:(self.rank + 1) * chunk]
-        rows = mine.view(1, chunk)
-        return dist.reduce_scatter_single(mine, bucket, group=self.group, async_op=True), bucket, rows
+        work = dist.reduce_scatter_single(mine, bucket, group=self.group, async_op=True)
+        return work, bucket, mine.view(1, chunk)
 
     def finish_reduce(self, pending, out, add):
         """Wait for a reduce_scatter; write its mean into out (chunk,), or add it (add=True).
@@ -1514,7 +1514,7 @@ class ShardedParameters:
                 p.data = view
             start = part.buckets[self.group_buckets[g][0]].start
             # one all-gather per bucket, from every rank's shard into the parameters' own buffer,
-            # each in flight recorded as it starts (if one raises, _free still waits for the others)
+            # each recorded in in_flight as it starts: _free waits for it, whatever raises
             works = self.in_flight[g] = [None] * len(self.group_buckets[g])
             try:
                 for i, k in enumerate(self.group_buckets[g]):
