@@ -635,19 +635,17 @@ def train_under_cap(setting, stage, n_layer):
     return dict(psi=psi, peak=_vm("VmPeak") - base, **seen)
 
 
-def try_fit(setting, stage, n_layer, again=True):
+def try_fit(setting, stage, n_layer):
     """One try on setting.nd fresh ranks: (True, every rank's train_under_cap result) if all
-    trained two steps, (False, "did not fit: ...") if one ran out of memory under the cap. A try
-    whose rank ends without a word (a signal, or the stall watchdog: its stacks are on stderr) is
-    run once more, and raised if that ends the same way."""
+    trained two steps, (False, "did not fit: ...") if one ran out of memory under the cap. A rank
+    that ends without a word (a signal, or the stall watchdog: its stacks are on stderr) is an
+    error, not a failure to fit: a crash can be a bug the cap only brings out (a buffer freed
+    under a collective still writing into it)."""
     try:
         return True, run_on_ranks(setting.nd, train_under_cap, setting, stage, n_layer, timeout=STALL_S + 60)
     except (RankEnded, queue.Empty) as e:
-        what = str(e) or f"no result in {STALL_S + 60} s"
-        if not again:
-            raise RuntimeError(f"stage {stage}, n_layer {n_layer} ended without a result twice: {what}") from None
-        print(f"  stage {stage}, n_layer {n_layer}: {what}; trying once more", file=sys.stderr, flush=True)
-        return try_fit(setting, stage, n_layer, again=False)
+        raise RuntimeError(f"stage {stage}, n_layer {n_layer} ended without a result: "
+                           f"{str(e) or f'no result in {STALL_S + 60} s'}") from None
     except RuntimeError as e:
         line = next((l for l in str(e).splitlines() if l.startswith("MemoryError: did not fit")), None)
         if line is None:   # not the cap: a real error
