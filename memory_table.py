@@ -623,7 +623,7 @@ def train_under_cap(setting, stage, n_layer):
         out_of_memory = isinstance(e, MemoryError) or any(
             words in str(e) for words in ("can't allocate memory", "bad_alloc", "could not create a primitive"))
         # torch's allocator, C++'s new inside a kernel, or oneDNN's when the memory for a kernel it
-        # builds cannot be had (seen at stage 3, n_layer 54, in backward under a 100 MB cap)
+        # builds cannot be had (its message carries no status: under the cap, that is the memory)
         if setting.budget is not None and out_of_memory:
             first_line = (str(e).splitlines() or [type(e).__name__])[0]
             raise MemoryError(f"did not fit: out of memory in {phase} at n_layer {n_layer} "

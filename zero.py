@@ -1618,7 +1618,6 @@ class ShardedParameters:
             self.refcount = [0] * len(self.groups)
             self.calls.clear()
             self._end_forward()
-        self._finish_prefetch()  # (no buffer is freed while an all-gather writes into it)
         self._release(self.tail)
 
     def _start_reading(self):
