@@ -1467,6 +1467,79 @@ def test_stage3_gather_that_raised_midway_frees_no_buffer_under_an_all_gather(wo
             assert freed_under == [] and torch.equal(losses, want), (where, zero_grad_after, freed_under, losses, want)
 
 
+class CollectiveFailed(RuntimeError):
+    pass
+
+
+class FailsAtWait:
+    """A collective's work that ends as it would where the backend failed it on this rank (gloo's
+    worker thread out of memory): wait() raises. Waited first, the real one keeps its peers in step."""
+    def __init__(self, work, index, fails, waited):
+        self.work, self.index, self.fails, self.waited = work, index, fails, waited
+
+    def wait(self, *args, **kwargs):
+        self.waited.append(self.index)
+        self.work.wait(*args, **kwargs)
+        if self.fails:
+            raise CollectiveFailed(f"collective {self.index} failed on this rank")
+        return True
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+
+def on_rank_collective_failed_at_its_wait():
+    """A stage-3 step whose first all-gather started in backward (a prefetch) fails at its wait.
+    Returns (the collectives started, in order; the ones waited, until the error; the error)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[RaisingBlock() for _ in range(4)], nn.Linear(DIM, 1))
+    model, opt = zero.initialize(model, torch.optim.AdamW, stage=3, bucket_numel=40, lr=1e-2,
+                                 stage3_units=list(model[:4]), prefetch=1)
+    model(torch.randn(4, DIM)).pow(2).mean().backward()  # the first step learns the units' order
+    opt.step()
+    opt.zero_grad()
+    started, waited, state = [], [], dict(backward=False, failing=None)
+    names = ("all_gather_single", "all_to_all_single", "reduce_scatter_single", "all_reduce")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def recording(name):
+        def start(*args, **kwargs):
+            fails = state["backward"] and name == "all_gather_single" and state["failing"] is None
+            if fails:
+                state["failing"] = len(started)
+            started.append(name)
+            return FailsAtWait(originals[name](*args, **kwargs), len(started) - 1, fails, waited)
+        return start
+
+    loss = model(torch.randn(4, DIM)).pow(2).mean()
+    try:
+        for name in names:
+            setattr(dist, name, recording(name))
+        state["backward"] = True
+        loss.backward()
+        error = None
+    except CollectiveFailed as e:
+        error = str(e)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return started, state["failing"], waited, error
+
+
+@pytest.mark.xdist_group("world2")
+def test_a_collective_failed_on_a_rank_is_raised_before_it_waits_for_a_later_one(world):
+    """Where a collective fails on one rank alone, its peers wait in it for good: a rank that
+    waited for a collective it started later (backward's reduce-scatter, with a prefetched
+    all-gather still unwaited) would wait for good too, its error never raised (a 4-rank run under
+    a memory cap hung so). Each rank waits for its collectives in the order it started them, so
+    the failure is raised at the first wait after it started."""
+    for started, failing, waited, error in world(2).run(on_rank_collective_failed_at_its_wait):
+        print(f"started {started}; #{failing} fails; waited {waited}; raised {error!r}")
+        assert failing is not None and error == f"collective {failing} failed on this rank", (failing, error)
+        assert any(name != "all_gather_single" for name in started[failing + 1:]), started  # a later one to wait for
+        assert waited[-1] == failing and all(i < failing for i in waited[:-1]), waited
+
+
 def on_rank_dropped_model_is_freed(stage):
     import weakref
     before = zero.live_storages()

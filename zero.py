@@ -266,6 +266,7 @@ class FlatPartition:
                     self.segments_of[i].append((k, at, hi))
                     at = hi
         self.padded_numel, self.shard_numel = flat, own
+        self.unwaited = collections.deque()  # the async collectives this rank started, in that order (see wait)
 
     def flat_range(self, k):
         """Bucket k with its padding: (chunk * Nd,) of the flat space."""
@@ -298,11 +299,11 @@ class FlatPartition:
             # all-to-all: chunk j of my bucket to rank j -> row j of `received` is rank j's copy of my
             # chunk, (nd * chunk,) = one bucket, whatever Nd
             received = torch.empty_like(bucket)
-            work = dist.all_to_all_single(received, bucket, group=self.group, async_op=True)
+            work = self.started(dist.all_to_all_single(received, bucket, group=self.group, async_op=True))
             return work, bucket, received.view(self.nd, chunk)
         # native: the backend's reduce-scatter, in place: my chunk of the bucket ends as the sum
         mine = bucket[self.rank * chunk:(self.rank + 1) * chunk]
-        work = dist.reduce_scatter_single(mine, bucket, group=self.group, async_op=True)
+        work = self.started(dist.reduce_scatter_single(mine, bucket, group=self.group, async_op=True))
         return work, bucket, mine.view(1, chunk)
 
     def finish_reduce(self, pending, out, add):
@@ -311,7 +312,7 @@ class FlatPartition:
         (g_0 + g_1) + (g_2 + g_3) at Nd 4. A level is one add over all its pairs: ceil(log2 Nd) kernels a
         bucket, where a rank-by-rank fold would launch Nd - 1 (15 million a step for 1T at Nd 1024)."""
         work, bucket, rows = pending
-        work.wait()  # `bucket` was kept alive until now: it is the send buffer
+        self.wait(work)  # `bucket` was kept alive until now: it is the send buffer
         if out.is_meta:  # memory_table.py's simulation: meta tensors hold no values to add
             return
         while len(rows) > 1:  # (n, chunk) -> (ceil(n / 2), chunk): row 2i += row 2i + 1, in place
@@ -326,7 +327,29 @@ class FlatPartition:
     def all_gather(self, out, mine, async_op=True):
         """out (chunk * Nd,): every rank's chunk; mine (chunk,) this rank's, in place when it is
         a view of out. Each rank sends its chunk to Nd-1 ranks: (Nd-1)/Nd of the bucket."""
-        return dist.all_gather_single(out, mine, group=self.group, async_op=async_op)
+        work = self.started(dist.all_gather_single(out, mine, group=self.group, async_op=True))
+        if not async_op:
+            self.wait(work)
+        return work
+
+    def started(self, work):
+        self.unwaited.append(work)
+        return work
+
+    def wait(self, work):
+        """Wait for an async collective of this rank's, and first for each one it started before,
+        in that order. A collective can fail on one rank alone (gloo's worker thread out of
+        memory): its peers wait in it for good, so this rank, waiting for a later one first, would
+        wait for good too, its error never raised. In order, the failure is raised first, and
+        what it started after stays unwaited (its buffers must not be freed). NCCL ends a group's
+        collectives in order anyway."""
+        if any(w is work for w in self.unwaited):
+            while True:
+                w = self.unwaited.popleft()  # (a failed one is raised again by its owner's wait)
+                w.wait()
+                if w is work:
+                    return
+        work.wait()  # waited already: returns at once, or raises again what failed
 
     def to_flat(self, own):
         """(padded_numel,) in CPU memory from every rank's (shard_numel,): an all-gather per
@@ -1001,7 +1024,7 @@ class GradientBuckets:
     def zero_grad(self):
         if self.in_backward:  # a backward that raised never reached its end: end it, dropping its gradients
             for k, (work, *_) in self.in_reduction:
-                work.wait()  # (its send buffer may be the full gradient, which the next backward writes)
+                self.partition.wait(work)  # (its send buffer may be the full gradient, which the next backward writes)
             self.on_backward_end()  # stage 3: the groups it gathered are freed, its counts reset
         for p in self.partition.params:
             p.grad = None
@@ -1015,7 +1038,7 @@ class GradientBuckets:
     def used_anywhere(self):
         """Which parameters some rank used in some backward of this step."""
         for work, used in self.used_flags:
-            work.wait()
+            self.partition.wait(work)
             self.used_so_far = [u or v for u, v in zip(self.used_so_far, used.bool().tolist())]
         self.used_flags = []
         return self.used_so_far
@@ -1119,7 +1142,7 @@ class GradientBuckets:
         # gets the average. The flags travel while the next micro-batch runs; the step reads them.
         used = torch.tensor(self.used, dtype=torch.int32, device=part.flag_device)
         work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=part.group, async_op=True)  # (n_trainable,)
-        self.used_flags.append((work, used))
+        self.used_flags.append((part.started(work), used))
         self.on_backward_end()
         self.micro_batches += 1
         self._new_backward()
@@ -1302,7 +1325,7 @@ class FlatParameters:
         wait) has that write overwritten in part, on some ranks: an error, not diverged ranks."""
         while self.in_flight and self.partition.buckets[self.in_flight[0][0]].start < end:
             k, work = self.in_flight.pop(0)
-            work.wait()
+            self.partition.wait(work)
             written = [self.names[self.partition.params[i]] for i, lo, hi in self.partition.buckets[k].segments
                        if self.partition.params[i]._version != self.issued_at[i]]
             if written:
@@ -1547,20 +1570,22 @@ class ShardedParameters:
 
     def _wait_gathered(self, g):
         """Wait for group g's all-gathers in flight, each leaving in_flight as it ends (an
-        interrupt leaves the rest for _free to wait for). If one failed, the group is freed once
-        all have ended, never taken for gathered, and the first error raised."""
-        works, errors = self.in_flight.get(g, []), []
-        while works:
-            try:
+        interrupt leaves the rest for _free to wait for). A failure, of one of them or of a
+        collective this rank started before them, is raised at once and the group never taken for
+        gathered: freed if its all-gathers have all ended, else left to them (its peers may wait
+        in the failed one for good, and so would this rank, waiting for the rest)."""
+        works = self.in_flight.get(g, [])
+        try:
+            while works:
                 if works[0] is not None:  # (None: its start raised)
-                    works[0].wait()
-            except Exception as e:
-                errors.append(e)
-            works.pop(0)
+                    self.partition.wait(works[0])
+                works.pop(0)
+        except Exception:
+            if all(w is None or w.is_completed() for w in works):
+                self.in_flight.pop(g)
+                self._drop(g)
+            raise
         self.in_flight.pop(g, None)
-        if errors:
-            self._drop(g)
-            raise errors[0]
 
     def _finish_prefetch(self):
         for g in list(self.in_flight):
