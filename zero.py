@@ -342,7 +342,8 @@ class FlatPartition:
         memory): its peers wait in it for good, so this rank, waiting for a later one first, would
         wait for good too, its error never raised. In order, the failure is raised first, and
         what it started after stays unwaited (its buffers must not be freed). NCCL ends a group's
-        collectives in order anyway."""
+        collectives in order anyway. (Stage 3's check of the ranks' gathers is waited for at once,
+        with a timeout of its own.)"""
         if any(w is work for w in self.unwaited):
             while True:
                 w = self.unwaited.popleft()  # (a failed one is raised again by its owner's wait)
