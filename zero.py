@@ -344,13 +344,17 @@ class FlatPartition:
         what it started after stays unwaited (its buffers must not be freed). NCCL ends a group's
         collectives in order anyway. (Stage 3's check of the ranks' gathers is waited for at once,
         with a timeout of its own.)"""
-        if any(w is work for w in self.unwaited):
-            while True:
-                w = self.unwaited.popleft()  # (a failed one is raised again by its owner's wait)
-                w.wait()
-                if w is work:
-                    return
-        work.wait()  # waited already: returns at once, or raises again what failed
+        try:
+            if any(w is work for w in self.unwaited):
+                while True:
+                    w = self.unwaited.popleft()  # (a failed one is raised again by its owner's wait)
+                    w.wait()
+                    if w is work:
+                        return
+            work.wait()  # waited already: returns at once, or raises again what failed
+        except Exception as e:  # no batch can be skipped past it, as past an error before a collective started
+            raise RuntimeError(f"rank {self.rank}: a collective failed ({e}); the other ranks may wait in it for "
+                               f"good, so training cannot go on: restart it from its last checkpoint") from e
 
     def to_flat(self, own):
         """(padded_numel,) in CPU memory from every rank's (shard_numel,): an all-gather per
