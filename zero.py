@@ -1393,6 +1393,23 @@ def gather_groups(module, units):
     return groups, hooks, {group_of[p] for p in shared}
 
 
+_CHECK_GROUPS = {}  # data-parallel group -> the group stage 3's gather check runs on
+
+
+def check_group(group=None):
+    """The group stage 3's check of the ranks' gathers runs on (see _check_same_group): on gloo,
+    one of its own over the same ranks, made at the first call, so that its 16 bytes wait behind
+    no bucket in the two worker threads gloo runs a group's collectives in; on other backends the
+    group itself. The first call is a collective of the group's ranks."""
+    group = group or dist.group.WORLD
+    if dist.get_backend(group) != "gloo":
+        return group
+    if group not in _CHECK_GROUPS:
+        _CHECK_GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                              use_local_synchronization=True)
+    return _CHECK_GROUPS[group]
+
+
 class ShardedParameters:
     def __init__(self, partition, module, groups, hooks, shared, dtype, prefetch, check_timeout):
         self.partition, self.shared = partition, shared
@@ -1402,6 +1419,7 @@ class ShardedParameters:
         for m, gids in hooks:
             for g in gids:
                 self.names[g] = self.names[g] or names[m]
+        self.check_group = check_group(partition.group)
         self.check_timeout = check_timeout if isinstance(check_timeout, datetime.timedelta) else \
             datetime.timedelta(seconds=check_timeout)
         self.group_of = {p: g for g, members in enumerate(groups) for p in members}
@@ -1561,7 +1579,7 @@ class ShardedParameters:
         rule = ("every rank must run the same modules in the same order at stage 3: take a branch on "
                 "every rank or on none (or use stage 2, which allows it)")
         ids = torch.tensor([g, -g], dtype=torch.int64, device=self.partition.flag_device)
-        work = dist.all_reduce(ids, op=dist.ReduceOp.MAX, group=self.partition.group, async_op=True)  # (max, -min)
+        work = dist.all_reduce(ids, op=dist.ReduceOp.MAX, group=self.check_group, async_op=True)  # (max, -min)
         try:
             work.wait(timeout=self.check_timeout)
         except RuntimeError as e:
