@@ -1467,10 +1467,6 @@ def test_stage3_gather_that_raised_midway_frees_no_buffer_under_an_all_gather(wo
             assert freed_under == [] and torch.equal(losses, want), (where, zero_grad_after, freed_under, losses, want)
 
 
-class CollectiveFailed(RuntimeError):
-    pass
-
-
 class FailsAtWait:
     """A collective's work that ends as it would where the backend failed it on this rank (gloo's
     worker thread out of memory): wait() raises. Waited first, the real one keeps its peers in step."""
@@ -1481,7 +1477,7 @@ class FailsAtWait:
         self.waited.append(self.index)
         self.work.wait(*args, **kwargs)
         if self.fails:
-            raise CollectiveFailed(f"collective {self.index} failed on this rank")
+            raise RuntimeError(f"collective {self.index} failed on this rank")
         return True
 
     def is_completed(self):
