@@ -1508,6 +1508,7 @@ def on_rank_collective_failed_at_its_wait():
         return start
 
     loss = model(torch.randn(4, DIM)).pow(2).mean()
+    later = {}  # what each later call raised, and how many collectives it started
     try:
         for name in names:
             setattr(dist, name, recording(name))
@@ -1516,10 +1517,18 @@ def on_rank_collective_failed_at_its_wait():
         error = None
     except RuntimeError as e:
         error = str(e)
+        for call, fn in (("zero_grad", opt.zero_grad), ("forward", lambda: model(torch.randn(4, DIM))),
+                         ("step", opt.step)):
+            before = len(started)
+            try:
+                fn()
+                later[call] = ("returned", len(started) - before)
+            except RuntimeError as e:
+                later[call] = (str(e), len(started) - before)
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
-    return started, state["failing"], waited, error
+    return started, state["failing"], waited, error, later
 
 
 @pytest.mark.xdist_group("world2")
@@ -1529,12 +1538,56 @@ def test_a_collective_failed_on_a_rank_is_raised_before_it_waits_for_a_later_one
     all-gather still unwaited) would wait for good too, its error never raised (a 4-rank run under
     a memory cap hung so). Each rank waits for its collectives in the order it started them, so
     the failure is raised at the first wait after it started, saying that training cannot go on."""
-    for started, failing, waited, error in world(2).run(on_rank_collective_failed_at_its_wait):
-        print(f"started {started}; #{failing} fails; waited {waited}; raised {error!r}")
+    for started, failing, waited, error, later in world(2).run(on_rank_collective_failed_at_its_wait):
+        print(f"started {started}; #{failing} fails; waited {waited}; raised {error!r}; later: {later}")
         assert failing is not None and f"(collective {failing} failed on this rank)" in error \
             and "restart it from its last checkpoint" in error, (failing, error)
         assert any(name != "all_gather_single" for name in started[failing + 1:]), started  # a later one to wait for
         assert waited[-1] == failing and all(i < failing for i in waited[:-1]), waited
+        # every later call raises the same at once, starting nothing its peers could wait in for good
+        assert later == {call: (error, 0) for call in ("zero_grad", "forward", "step")}, later
+
+
+def on_rank_collective_failed_to_start(stage):
+    """Stages 1-2: the all-gathers of the updated parameters that step() starts, the second of
+    which raises as it starts (gloo allocates its output in this thread: out of memory under a
+    cap). Returns what step() raised, then what a forward and another step() raised, and how many
+    collectives each of those started."""
+    model, opt = zero.initialize(nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, 1)), torch.optim.SGD,
+                                 stage=stage, bucket_numel=40, lr=0.1)
+    model(torch.randn(4, DIM)).sum().backward()
+    original, calls, raised = dist.all_gather_single, [], {}
+
+    def failing_at_the_second(*args, **kwargs):
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise RuntimeError("out of memory as it started")
+        return original(*args, **kwargs)
+
+    dist.all_gather_single = failing_at_the_second
+    try:
+        for call, fn in (("step", opt.step), ("forward", lambda: model(torch.randn(4, DIM))), ("step again", opt.step)):
+            before = len(calls)
+            try:
+                fn()
+                raised[call] = ("returned", len(calls) - before)
+            except RuntimeError as e:
+                raised[call] = (str(e), len(calls) - before)
+    finally:
+        dist.all_gather_single = original
+    return raised
+
+
+@pytest.mark.xdist_group("world1")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_collective_that_failed_to_start_is_raised_by_every_later_call(world, stage):
+    """A collective that raises as it starts leaves its peers waiting in it: step() raises that
+    training cannot go on, and so does every later call, at once, starting nothing."""
+    raised = world(1).run(on_rank_collective_failed_to_start, stage)[0]
+    print(raised)
+    error, started = raised["step"]
+    assert "a collective failed (out of memory as it started)" in error and started == 2, raised
+    assert raised["forward"] == (error, 0) and raised["step again"] == (error, 0), raised
 
 
 def on_rank_dropped_model_is_freed(stage):

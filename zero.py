@@ -267,6 +267,7 @@ class FlatPartition:
                     at = hi
         self.padded_numel, self.shard_numel = flat, own
         self.unwaited = collections.deque()  # the async collectives this rank started, in that order (see wait)
+        self.failed = None  # what a failed collective raises again at every later start and wait
 
     def flat_range(self, k):
         """Bucket k with its padding: (chunk * Nd,) of the flat space."""
@@ -299,11 +300,11 @@ class FlatPartition:
             # all-to-all: chunk j of my bucket to rank j -> row j of `received` is rank j's copy of my
             # chunk, (nd * chunk,) = one bucket, whatever Nd
             received = torch.empty_like(bucket)
-            work = self.started(dist.all_to_all_single(received, bucket, group=self.group, async_op=True))
+            work = self.start(dist.all_to_all_single, received, bucket)
             return work, bucket, received.view(self.nd, chunk)
         # native: the backend's reduce-scatter, in place: my chunk of the bucket ends as the sum
         mine = bucket[self.rank * chunk:(self.rank + 1) * chunk]
-        work = self.started(dist.reduce_scatter_single(mine, bucket, group=self.group, async_op=True))
+        work = self.start(dist.reduce_scatter_single, mine, bucket)
         return work, bucket, mine.view(1, chunk)
 
     def finish_reduce(self, pending, out, add):
@@ -327,12 +328,18 @@ class FlatPartition:
     def all_gather(self, out, mine, async_op=True):
         """out (chunk * Nd,): every rank's chunk; mine (chunk,) this rank's, in place when it is
         a view of out. Each rank sends its chunk to Nd-1 ranks: (Nd-1)/Nd of the bucket."""
-        work = self.started(dist.all_gather_single(out, mine, group=self.group, async_op=True))
+        work = self.start(dist.all_gather_single, out, mine)
         if not async_op:
             self.wait(work)
         return work
 
-    def started(self, work):
+    def start(self, collective, *args, **kwargs):
+        """dist.<collective>(*args) on the group, async, recorded in the order started (see wait)."""
+        self.refuse_after_failure()
+        try:
+            work = collective(*args, group=self.group, async_op=True, **kwargs)
+        except Exception as e:  # (gloo allocates the output in this thread: out of memory under a cap)
+            self._fail(e)
         self.unwaited.append(work)
         return work
 
@@ -344,17 +351,28 @@ class FlatPartition:
         what it started after stays unwaited (its buffers must not be freed). NCCL ends a group's
         collectives in order anyway. (Stage 3's check of the ranks' gathers is waited for at once,
         with a timeout of its own.)"""
+        self.refuse_after_failure()
         try:
             if any(w is work for w in self.unwaited):
                 while True:
-                    w = self.unwaited.popleft()  # (a failed one is raised again by its owner's wait)
-                    w.wait()
-                    if w is work:
-                        return
-            work.wait()  # waited already: returns at once, or raises again what failed
+                    self.unwaited[0].wait()  # (left first if it raises, or an interrupt stops it)
+                    if self.unwaited.popleft() is work:
+                        break
+            else:
+                work.wait()  # waited already: returns at once
         except Exception as e:  # no batch can be skipped past it, as past an error before a collective started
-            raise RuntimeError(f"rank {self.rank}: a collective failed ({e}); the other ranks may wait in it for "
-                               f"good, so training cannot go on: restart it from its last checkpoint") from e
+            self._fail(e)
+
+    def _fail(self, error):
+        """A collective failed to start or to end on this rank: its peers may wait in it for good,
+        so every later start and wait raises this at once, none hangs."""
+        self.failed = f"rank {self.rank}: a collective failed ({error}); the other ranks may wait in it for good, " \
+                      f"so training cannot go on: restart it from its last checkpoint"
+        raise RuntimeError(self.failed) from error
+
+    def refuse_after_failure(self):
+        if self.failed is not None:
+            raise RuntimeError(self.failed)
 
     def to_flat(self, own):
         """(padded_numel,) in CPU memory from every rank's (shard_numel,): an all-gather per
@@ -530,11 +548,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ours. A torch.optim.Optimizer, so that torch's LR schedulers take it; Optimizer.__init__ is
     not called, as `optim` holds the groups and the state."""
 
-    def __init__(self, module, partition, parameters, gradients, owned, precision, loss_scale, start,
+    def __init__(self, module, partition, parameters, gradients, precision, loss_scale, start,
                  optimizer_class, param_groups, optimizer_kwargs, tp_group):
         self.partition, self.parameters, self.gradients = partition, parameters, gradients
         self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
-        self.owned, self.precision = owned, precision  # owned: per bucket, (flat slice, own slice)
+        self.precision = precision
+        # owned: per bucket, (flat slice, own slice); stage 0 (replicate) owns every bucket whole
+        self.owned = owned = [(partition.flat_range(k), partition.flat_range(k)) if gradients.replicate else
+                              (partition.chunk(k), partition.own(k)) for k in range(len(partition.buckets))]
         self.own_numel = sum(o.stop - o.start for f, o in owned)
         self.n_trainable = sum(p.requires_grad for p in partition.params)
         # A parameter's pieces in consecutive buckets lie end to end in the own space: where the
@@ -579,6 +600,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.group_members = [list(g["params"]) for g in groups]  # the user's groups, for checkpoints
         self.names = {p: n for n, p in module.named_parameters()}  # a tied weight: its first name
         self.optim.state = _PieceStates(self.names, self.optim.state)
+        self.param_groups, self.defaults, self.state = self.optim.param_groups, self.optim.defaults, self.optim.state
         self.module = weakref.ref(module)  # (which holds this optimizer: no cycle)
         # step() updates the pieces a window at a time, consecutive pieces spanning at most a bucket
         # (C_B) of the own space (or one larger piece): the gradient in the optimizer's dtype and the
@@ -608,18 +630,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # torch.amp.GradScaler.step hands such an optimizer its scale and found_inf instead of
     # unscaling p.grad, which zero leaves None; step() then refuses it, naming zero's own scaling
     _step_supports_amp_scaling = True
-
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
-    @property
-    def defaults(self):
-        return self.optim.defaults
-
-    @property
-    def state(self):
-        return self.optim.state
 
     def add_param_group(self, param_group):
         raise RuntimeError("zero.initialize lays out every parameter's shard once: pass all the groups to it as "
@@ -873,22 +883,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return written
 
     def _refuse_lost_writes(self, record=True):
-        """A write into the parameters between steps (WGAN's p.clamp_(), a re-initialisation) is
-        kept where the parameters are the weights the optimizer steps: fp32 at stages 0-2. With
-        an fp32 master (Section 3.1) the step copies the master over it; at stage 3 a parameter
-        outside its module's forward is a stand-in (the write changed no weight), inside it the
-        gathered copy that is freed after (its shard never sees the write). Either way the write
-        would be lost, so it is refused; and so is a parameter given new storage (p.data = t,
-        torch.nn.utils.vector_to_parameters), which the step would no longer update. Checked by
-        full_state_dict and save_checkpoint too (record=False: the step still raises), which
-        would read the weights without the write. A trainable parameter registered after
-        zero.initialize (weight_norm's g and v, a layer added to the model) has no shard to step,
-        and is refused too."""
+        """Refuse what the step would lose or miss: a trainable parameter registered after
+        zero.initialize, one given new storage, and a write in place since the last step (WGAN's
+        p.clamp_()) where the parameters are not the weights the optimizer steps (an fp32 master;
+        stage 3, whose gathered copy is freed after its forward). Also from full_state_dict and
+        save_checkpoint (record=False: the step still raises), which would miss the write."""
         module = self.module()
         # (a parameter another zero model laid out is stepped by that model's optimizer)
         added = [n for n, p in module.named_parameters() if p.requires_grad and p not in self.partition.index
                  and not getattr(p, "_zero_laid_out", False)] if module is not None else []
-        if added:  # weight_norm's g and v, a layer added to the model: neither laid out, so never stepped
+        if added:
             raise RuntimeError(f"rank {self.partition.rank}: {added[:3]} were registered after zero.initialize, which "
                                f"laid out gradients and optimizer states for the parameters it was given only, so the "
                                f"step would not update them (a parametrization that makes new parameters, such as "
@@ -1146,8 +1150,8 @@ class GradientBuckets:
         # optimizer skips it, as with DDP's find_unused_parameters=True); one used anywhere
         # gets the average. The flags travel while the next micro-batch runs; the step reads them.
         used = torch.tensor(self.used, dtype=torch.int32, device=part.flag_device)
-        work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=part.group, async_op=True)  # (n_trainable,)
-        self.used_flags.append((part.started(work), used))
+        work = part.start(dist.all_reduce, used, op=dist.ReduceOp.MAX)  # (n_trainable,)
+        self.used_flags.append((work, used))
         self.on_backward_end()
         self.micro_batches += 1
         self._new_backward()
@@ -1324,13 +1328,12 @@ class FlatParameters:
             self.issued_at = [p._version for p in part.params]
 
     def wait(self, end=math.inf):
-        """Wait for the all-gathers step() left in flight, of flat elements [0, end). A parameter
-        written in place while its bucket's all-gather was in flight (p.clamp_() or a
-        module.apply() re-initialisation right after step(), through an attribute, which does not
-        wait) has that write overwritten in part, on some ranks: an error, not diverged ranks."""
+        """Wait for the all-gathers step() left in flight, of flat elements [0, end); a write into
+        a parameter they overwrote in part (through an attribute, which does not wait) raises."""
         while self.in_flight and self.partition.buckets[self.in_flight[0][0]].start < end:
-            k, work = self.in_flight.pop(0)
+            k, work = self.in_flight[0]
             self.partition.wait(work)
+            self.in_flight.pop(0)  # (not before: one that failed raises again at the next wait)
             written = [self.names[self.partition.params[i]] for i, lo, hi in self.partition.buckets[k].segments
                        if self.partition.params[i]._version != self.issued_at[i]]
             if written:
@@ -1531,8 +1534,7 @@ class ShardedParameters:
 
     @staticmethod
     def _refuse_state_dict(module, prefix, keep_vars):
-        """module.state_dict() would copy parameters whose storage is freed outside a forward.
-        keep_vars=True hands back the Parameters themselves, as named_parameters() does."""
+        """(keep_vars=True hands back the Parameters themselves, as named_parameters() does: allowed.)"""
         if not keep_vars:
             raise RuntimeError("at stage 3 a parameter holds data only while its module runs, so module.state_dict() "
                                "has nothing to copy: zero.full_state_dict(model) gathers the full tensors (a "
@@ -1578,6 +1580,7 @@ class ShardedParameters:
         that stops gathering leaves the others an error after check_timeout seconds."""
         rule = ("every rank must run the same modules in the same order at stage 3: take a branch on "
                 "every rank or on none (or use stage 2, which allows it)")
+        self.partition.refuse_after_failure()  # (not a wait of check_timeout for ranks stuck in the failed one)
         ids = torch.tensor([g, -g], dtype=torch.int64, device=self.partition.flag_device)
         work = dist.all_reduce(ids, op=dist.ReduceOp.MAX, group=self.check_group, async_op=True)  # (max, -min)
         try:
@@ -1858,7 +1861,6 @@ class ShardedParameters:
         """Backward is done with group g once every trainable parameter in it has its gradient
         and every call of it with a frozen parameter has its inputs' gradients."""
         if self._grads_left()[g] <= 0 and self.inputs_left[g] == 0 and not self.pinned[g]:
-            self._wait_gathered(g)  # never free a buffer an all-gather still writes into
             self._free(g)
 
     def _new_backward(self):
@@ -1912,8 +1914,9 @@ def _broadcast_buffers(buffers, group, after_training, module, args):
 # live in one pre-allocated buffer, so these long-lived tensors do not interleave with the
 # short-lived ones in memory.
 class ActivationCheckpointing:
-    """Checkpoint each of `blocks` (modules called as block(x)): partition=True is P_a over
-    tp_group, cpu=True is P_a+cpu, contiguous=True is M_D for the checkpoints."""
+    """zero.checkpoint_activations: checkpoint each of `blocks` (modules called as block(x), e.g. a
+    GPT's blocks): plain, P_a (partition=True, over tp_group), P_a+cpu (cpu=True), M_D buffers
+    (contiguous=True)."""
 
     ROW = 64  # elements: an M_D slot starts 64-element aligned (the kernels' bits depend on alignment)
 
@@ -1991,10 +1994,7 @@ class ActivationCheckpointing:
         return full[:math.prod(shape)].view(shape)  # (B, T, C)
 
 
-def checkpoint_activations(blocks, tp_group=None, partition=False, cpu=False, contiguous=False):
-    """Activation checkpointing for `blocks` (e.g. a GPT's transformer blocks): plain, P_a
-    (partition=True, over tp_group), P_a+cpu (cpu=True), with M_D buffers (contiguous=True)."""
-    return ActivationCheckpointing(blocks, tp_group, partition, cpu, contiguous)
+checkpoint_activations = ActivationCheckpointing
 
 
 # -----------------------------------------------------------------------------------------
@@ -2049,10 +2049,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
                                 name=type(module).__name__)
     if stage == 3:
         parameters.gradients = gradients
-    buckets = range(len(partition.buckets))
-    owned = [(partition.flat_range(k), partition.flat_range(k)) for k in buckets] if stage == 0 else \
-        [(partition.chunk(k), partition.own(k)) for k in buckets]
-    optimizer = ZeroOptimizer(module, partition, parameters, gradients, owned, precision, loss_scale, start,
+    optimizer = ZeroOptimizer(module, partition, parameters, gradients, precision, loss_scale, start,
                               optimizer_class, param_groups, optimizer_kwargs, tp_group)
     for b in module.buffers():  # (now that init_fn has filled a meta module's buffers in their own dtype)
         if b.is_floating_point():
@@ -2105,9 +2102,7 @@ def _refuse_conversion(module, fn, recurse=True):
 
 
 def _refuse_deepcopy(memo):
-    """copy.deepcopy(module), as an EMA or AveragedModel(module) makes: the copy would carry zero's
-    hooks, which gather and wait for the original's parameters, and the original's optimizer; at
-    stage 3 its parameters would be copies of NaN stand-ins."""
+    """copy.deepcopy(module): the copy's hooks would gather and wait for the original's parameters."""
     raise RuntimeError("this module is sharded by zero.initialize, and a deep copy would carry zero's hooks (at stage "
                        "3 its parameters hold no values): copy the module before zero.initialize (an EMA, "
                        "AveragedModel(module)), then update the copy from zero.full_state_dict(model)")
@@ -2266,8 +2261,7 @@ def model_state_bytes(module):
     tensors += opt.parameters.storages() + opt.gradients.storages()  # the parameters are views of these
     tensors += [opt.master] if opt.master is not None else []
     tensors += [v for state in opt.optim.state.values() for v in state.values() if torch.is_tensor(v)]
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                for t in tensors if t.untyped_storage().nbytes() > 0}
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 
 
