@@ -711,11 +711,18 @@ def on_rank_memory_while_saving_and_loading(path):
     before the model was built; the rank's model states, the largest bucket chunk and its shard."""
     before = zero.live_storages()
 
-    def new_bytes():  # memory-mapped checkpoint files are the page cache's, not this process's memory
+    def new_storages():  # memory-mapped checkpoint files are the page cache's, not this process's memory
         maps = [line.split() for line in open("/proc/self/maps")]
         mapped = [[int(a, 16) for a in m[0].split("-")] for m in maps if len(m) > 5 and m[5].startswith(path)]
-        return sum(s.nbytes() for k, s in zero.live_storages().items()
-                   if k not in before and not any(lo <= s.data_ptr() < hi for lo, hi in mapped))
+        return sorted((s.nbytes() for k, s in zero.live_storages().items()
+                       if k not in before and not any(lo <= s.data_ptr() < hi for lo, hi in mapped)), reverse=True)
+
+    def new_bytes():
+        new = new_storages()
+        sizes[sum(new)] = new[:8]  # the largest, for the failure's message
+        return sum(new)
+
+    sizes = {}
 
     model, opt = make(3, 4096)
     train(model, opt, 0, 1)
@@ -745,7 +752,8 @@ def on_rank_memory_while_saving_and_loading(path):
         zero.CheckpointReader.read = real_read
     chunk = max(b.chunk for b in opt.partition.buckets) * 4
     steps = 4 * len(list(model.parameters()))  # the other rank's AdamW step counters, gathered to save them
-    return held, save_peak, max(samples), zero.model_state_bytes(model), chunk + steps, opt.partition.shard_numel * 4
+    return held, save_peak, max(samples), zero.model_state_bytes(model), chunk + steps, opt.partition.shard_numel * 4, \
+        (sizes[held], sizes[save_peak], sizes[max(samples)])
 
 
 @pytest.mark.xdist_group("world2")
@@ -754,9 +762,10 @@ def test_saving_and_loading_hold_the_model_states_and_one_bucket_chunk(world, tm
     weights and into each optimizer state, the old one freed first: neither holds a shard more.
     SMALL allows a few bytes of small tensors made outside zero.py while a sample walks the live
     tensors (once, in the full suite, loading sampled +10 B; alone it is +0 B), far below a chunk."""
-    for held, save_peak, load_peak, states, chunk, shard in world(2).run(on_rank_memory_while_saving_and_loading,
-                                                                         str(tmp_path / "ckpt")):
+    for held, save_peak, load_peak, states, chunk, shard, largest in world(2).run(
+            on_rank_memory_while_saving_and_loading, str(tmp_path / "ckpt")):
         print(f"held {held} B (model states {states} B); saving peaks at +{save_peak - held} B, loading at "
               f"+{load_peak - held} B; one bucket's chunk and the step counters are {chunk} B, one shard {shard} B")
-        assert save_peak <= held + chunk + SMALL and load_peak <= held + SMALL, (save_peak - held, load_peak - held)
+        assert save_peak <= held + chunk + SMALL and load_peak <= held + SMALL, \
+            (save_peak - held, load_peak - held, "largest new storages, held / saving / loading:", largest)
         assert SMALL < chunk < shard
