@@ -1484,6 +1484,20 @@ class FailsAtWait:
         return self.work.is_completed()
 
 
+def raised_by_each(calls, started):
+    """{name: (what fn() raised, or "returned"; how many collectives it added to `started`)}
+    for each (name, fn) of calls, in order."""
+    raised = {}
+    for name, fn in calls:
+        before = len(started)
+        try:
+            fn()
+            raised[name] = ("returned", len(started) - before)
+        except RuntimeError as e:
+            raised[name] = (str(e), len(started) - before)
+    return raised
+
+
 def on_rank_collective_failed_at_its_wait():
     """A stage-3 step whose first all-gather started in backward (a prefetch) fails at its wait.
     Returns (the collectives started, in order; the ones waited, until the error; the error)."""
@@ -1508,7 +1522,7 @@ def on_rank_collective_failed_at_its_wait():
         return start
 
     loss = model(torch.randn(4, DIM)).pow(2).mean()
-    later = {}  # what each later call raised, and how many collectives it started
+    later = {}
     try:
         for name in names:
             setattr(dist, name, recording(name))
@@ -1517,14 +1531,8 @@ def on_rank_collective_failed_at_its_wait():
         error = None
     except RuntimeError as e:
         error = str(e)
-        for call, fn in (("zero_grad", opt.zero_grad), ("forward", lambda: model(torch.randn(4, DIM))),
-                         ("step", opt.step)):
-            before = len(started)
-            try:
-                fn()
-                later[call] = ("returned", len(started) - before)
-            except RuntimeError as e:
-                later[call] = (str(e), len(started) - before)
+        later = raised_by_each([("zero_grad", opt.zero_grad), ("forward", lambda: model(torch.randn(4, DIM))),
+                                ("step", opt.step)], started)
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
@@ -1556,7 +1564,7 @@ def on_rank_collective_failed_to_start(stage):
     model, opt = zero.initialize(nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, 1)), torch.optim.SGD,
                                  stage=stage, bucket_numel=40, lr=0.1)
     model(torch.randn(4, DIM)).sum().backward()
-    original, calls, raised = dist.all_gather_single, [], {}
+    original, calls = dist.all_gather_single, []
 
     def failing_at_the_second(*args, **kwargs):
         calls.append(len(calls))
@@ -1566,16 +1574,10 @@ def on_rank_collective_failed_to_start(stage):
 
     dist.all_gather_single = failing_at_the_second
     try:
-        for call, fn in (("step", opt.step), ("forward", lambda: model(torch.randn(4, DIM))), ("step again", opt.step)):
-            before = len(calls)
-            try:
-                fn()
-                raised[call] = ("returned", len(calls) - before)
-            except RuntimeError as e:
-                raised[call] = (str(e), len(calls) - before)
+        return raised_by_each([("step", opt.step), ("forward", lambda: model(torch.randn(4, DIM))),
+                               ("step again", opt.step)], calls)
     finally:
         dist.all_gather_single = original
-    return raised
 
 
 @pytest.mark.xdist_group("world1")
