@@ -750,8 +750,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         in the whole model while the rest wait. This rank's part of each round: the own-space
         slices it sends, in rank order, and how many elements go to each rank; the pieces it
         receives, (parameter index, start in the parameter, length) in rank order, and how many
-        come from each rank; and whether anything moves. Made on the first clip; the work is this
-        rank's share at any Nd."""
+        come from each rank; and whether anything moves. Made on the first clip, from every rank's
+        segments (index arithmetic over the partition, no tensors)."""
         if self.norm_plan is not None:
             return self.norm_plan
         part, me = self.partition, self.partition.rank
