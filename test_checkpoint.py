@@ -710,7 +710,7 @@ SMALL = 64  # bytes: see test_saving_and_loading_hold_the_model_states_and_one_b
 def on_rank_memory_while_saving_and_loading(path):
     """Live bytes sampled at every chunk written and every range read, beyond what was alive
     before the model was built; the rank's model states, the largest bucket chunk and its shard."""
-    before = zero.live_storages()
+    before, sizes = zero.live_storages(), {}  # sizes: a reading's total -> its largest new storages
 
     def new_storages():  # memory-mapped checkpoint files are the page cache's, not this process's memory
         maps = [line.split() for line in open("/proc/self/maps")]
@@ -720,13 +720,11 @@ def on_rank_memory_while_saving_and_loading(path):
 
     def reading():
         new = new_storages()
-        sizes[sum(new)] = new[:8]  # the largest, for the failure's message
+        sizes[sum(new)] = new[:8]  # for the failure's message
         return sum(new)
 
     def new_bytes():  # (settled: gloo's worker thread lets go of a collective's tensors after it completes)
         return settled(reading, readings=2, interval=0.002)
-
-    sizes = {}
 
     model, opt = make(3, 4096)
     train(model, opt, 0, 1)

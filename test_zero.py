@@ -1500,7 +1500,8 @@ def raised_by_each(calls, started):
 
 def on_rank_collective_failed_at_its_wait():
     """A stage-3 step whose first all-gather started in backward (a prefetch) fails at its wait.
-    Returns (the collectives started, in order; the ones waited, until the error; the error)."""
+    Returns (the collectives started, in order; the failing one; the ones waited, until the error;
+    the error; what zero_grad, a forward and step raised after it, and the collectives each started)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[RaisingBlock() for _ in range(4)], nn.Linear(DIM, 1))
     model, opt = zero.initialize(model, torch.optim.AdamW, stage=3, bucket_numel=40, lr=1e-2,
