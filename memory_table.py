@@ -353,11 +353,20 @@ def split_model_states(new, before_backward, dtype):
     return sum(st.nbytes() for st in new.values()) - g_bytes - o_bytes, g_bytes, o_bytes
 
 
+def _warm_cublas(device):
+    """A linear layer's forward and backward on `device`: the calling thread and autograd's make
+    their cuBLAS handles and workspaces, which the allocator then holds for the process's life."""
+    layer = torch.nn.Linear(64, 64, device=device)
+    layer(torch.ones(32, 64, device=device)).sum().backward()
+
+
 def measure_on_rank(stage, dtype_name, preset, batch_size=4, seq_len=64):
     """One configuration on this rank: (Ψ, model-state split, activation bytes, the CUDA
     allocator's bytes after backward beyond those before the model (None on the CPU))."""
     dtype, config = getattr(torch, DTYPES[dtype_name][0]), PRESETS[preset]
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    if device.type == "cuda":  # cuBLAS's workspaces (one per thread, 32 MiB each on Hopper) come with a
+        _warm_cublas(device)   # thread's first matmul: make them before the baseline, not as model states
     before = zero.live_storages(device.type)   # held: no new storage can take one of their ids
     allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     module = GPT(config, seed=0, device="meta")

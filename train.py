@@ -347,11 +347,15 @@ def main(argv=None):
                          f"checkpoint there with --resume, or pass another --save_dir")
     tokens_per_step = args.batch_size * args.seq_len * dp * args.grad_accum
     history, val_history, diverged = [], [], None
+    # The memory line comes from the first step; on CUDA from the second: a thread's first matmul
+    # makes its cuBLAS workspace (32 MiB on Hopper), which the first forward would count as kept.
+    memory_step = min(first + (device.type == "cuda"), args.steps - 1)
     for step in range(first, args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         batches = [get_batch(train_data, args.batch_size, args.seq_len, gen, device) for _ in range(args.grad_accum)]
-        measure = step == first or (step + 1) % args.eval_every == 0  # on CPU each record walks every tensor
+        # on CPU each record walks every tensor
+        measure = step in (first, memory_step) or (step + 1) % args.eval_every == 0
         memory.records, memory.recording = [], measure
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -377,7 +381,7 @@ def main(argv=None):
             peak = torch.cuda.max_memory_allocated(device) / 1e6
         else:  # CPU: the largest live-tensor total seen at a module boundary, on measured steps only
             peak = (memory.peak() - baseline) / 1e6 if measure else None
-        if step == first:
+        if step == memory_step:
             log(f"memory at step {step} ({'CUDA allocator' if device.type == 'cuda' else 'live tensors'}): "
                 f"activations kept at the end of forward {memory.kept_by_forward() / 1e6:.2f} MB/rank "
                 f"(checkpointing: {args.checkpoint}) | peak {(memory.peak() - baseline) / 1e6:.2f} MB/rank")

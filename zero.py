@@ -52,6 +52,10 @@ from torch.utils._foreach_utils import _has_foreach_support
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
+if not hasattr(dist, "all_gather_single"):  # torch 2.13 names; before, all_gather_into_tensor and reduce_scatter_tensor
+    raise ImportError(f"zero.py needs torch 2.13 or later (requirements.txt pins torch==2.13.0); this is torch "
+                      f"{torch.__version__}, which has no torch.distributed.all_gather_single")
+
 # Optimizers whose update of an element reads only that element's parameter, gradient and
 # state: sharding them across ranks gives the same bits as running them whole. (Not so LBFGS,
 # SparseAdam, Adafactor or Muon, whose updates mix elements.)
