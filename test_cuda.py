@@ -25,13 +25,20 @@ NGPU = torch.cuda.device_count()
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_train(tmp_path, *flags):
-    out = tmp_path / f"log{'_'.join(flags).replace('-', '')}.json"
+def torchrun_train(*flags, **env):
+    """train.py with `flags` on NGPU ranks, one per GPU (on the CPU with CUDA_VISIBLE_DEVICES=""):
+    its finished process, which must have succeeded."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NGPU}",
-           os.path.join(HERE, "train.py"), "--steps", "20", "--eval_every", "10", "--out", str(out), *flags]
-    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # for --deterministic
+           os.path.join(HERE, "train.py"), *flags]
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **env}  # for --deterministic
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=HERE, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def run_train(tmp_path, *flags):
+    out = tmp_path / f"log{'_'.join(flags).replace('-', '')}.json"
+    torchrun_train("--steps", "20", "--eval_every", "10", "--out", str(out), *flags)
     return json.loads(out.read_text())
 
 
@@ -55,12 +62,8 @@ def test_the_memory_line_counts_what_the_forward_keeps_not_cublas_workspaces():
     cuBLAS workspace (32 MiB on Hopper), which the first forward counted as kept: 54.60 MB against
     20.00 on one H200; from the second step 20.92 (the allocator rounds each block up to 512 B)."""
     def kept(**env):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NGPU}",
-               os.path.join(HERE, "train.py"), "--steps", "2", "--eval_every", "2"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=HERE, env={**os.environ, **env})
-        assert proc.returncode == 0, proc.stderr[-3000:]
         line = re.search(r"memory at step (\d) \((.+?)\): activations kept at the end of forward ([\d.]+) MB",
-                         proc.stdout)
+                         torchrun_train("--steps", "2", "--eval_every", "2", **env).stdout)
         print(line.group(0))
         return line.group(2), float(line.group(3))
     (gpu_source, gpu), (cpu_source, cpu) = kept(), kept(CUDA_VISIBLE_DEVICES="")
