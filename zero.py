@@ -10,16 +10,13 @@ Parameter Models" (Rajbhandari, Rasley, Ruwase, He; SC 2020), on torch.distribut
     stage 3  P_os+g+p: ... and parameters                               (4 + 4 + K)Ψ/Nd
     (fp32 parameters and gradients here; the paper's 2Ψ terms are its fp16 copies)
 
-reduction="exact" (the default) divides each rank's gradients by Nd, as DDP does, and sums them in
-one fixed order, a pairwise tree over the ranks ((g_0 + g_1) + (g_2 + g_3) at Nd 4): every stage
-and bucket size gives the same bits, DistributedDataParallel's at Nd 2 (beyond, DDP's all-reduce
-sums in an order set by its bucket layout; the tests give it this one with a comm hook).
-reduction="native" uses the backend's reduce-scatter, in its own order (on NCCL the same traffic).
+    python zero.py consolidate DIR OUT.pt    # a sharded checkpoint -> one plain torch state
 
-In the paper's order: Section 3 (where the memory goes), 3.1 (mixed precision), 5 and 7 (the
-flat partition and its collectives; shard-only initialisation), 5.1 (P_os), 5.2 (P_os+g), 5.3
-(P_os+g+p), 6 (ZeRO-R); then `initialize`, which composes the parts a stage needs, and sharded
-checkpoints (`python zero.py consolidate DIR OUT.pt` makes one plain torch state).
+reduction="exact" (the default) divides each rank's gradients by Nd, as DDP does, and sums them in
+one fixed pairwise tree over the ranks ((g_0 + g_1) + (g_2 + g_3) at Nd 4): every stage and bucket
+size gives the same bits, DDP's at Nd 2 (beyond, DDP's order depends on its bucket layout).
+reduction="native" uses the backend's reduce-scatter, in its own order (on NCCL the same traffic).
+Sections follow the paper: 3, 3.1, 5 and 7, 5.1, 5.2, 5.3, 6 (ZeRO-R); then `initialize`, checkpoints.
 """
 import bisect
 import collections
@@ -52,13 +49,12 @@ from torch.utils._foreach_utils import _has_foreach_support
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
-if not hasattr(dist, "all_gather_single"):  # torch 2.13 names; before, all_gather_into_tensor and reduce_scatter_tensor
+if not hasattr(dist, "all_gather_single"):  # torch 2.13's name; before, all_gather_into_tensor
     raise ImportError(f"zero.py needs torch 2.13 or later (requirements.txt pins torch==2.13.0); this is torch "
                       f"{torch.__version__}, which has no torch.distributed.all_gather_single")
 
-# Optimizers whose update of an element reads only that element's parameter, gradient and
-# state: sharding them across ranks gives the same bits as running them whole. (Not so LBFGS,
-# SparseAdam, Adafactor or Muon, whose updates mix elements.)
+# Optimizers whose update of an element reads only that element's parameter, gradient and state:
+# sharded, they give the same bits as whole (not so LBFGS, SparseAdam, Adafactor or Muon).
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                           torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
                           torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
@@ -68,22 +64,16 @@ REDUCTIONS = ("exact", "native")
 
 
 def default_bucket_numel(nd):
-    """C_B, elements per bucket, by default: 2^22 (16 MB in fp32), constant in the model's size
-    (Section 6.2), and grown at large Nd so that each rank's chunk of a bucket stays at least
-    2^16 elements: "large enough to remain efficient", since a collective of many tiny pieces is
-    bound by latency, not bandwidth (Megatron-LM's default bucket grows with Nd the same way).
-    Nd 64: 2^22; Nd 1024: 2^26 (128 MiB in bf16)."""
+    """C_B by default: 2^22 elements (16 MB in fp32), constant in the model's size (Section 6.2), grown
+    at large Nd so each rank's chunk stays >= 2^16 elements: tiny pieces make a collective latency-bound."""
     return max(2**22, 2**16 * nd)
 
 
 # -----------------------------------------------------------------------------------------
 # Section 3 -- where the memory goes: model states (parameters, gradients, optimizer states)
-# and residual states (activations, temporary buffers, fragmentation). MemoryHooks records
-# memory at every module boundary: from the caching allocator on CUDA; on CPU, where
-# torch.cuda.memory_allocated() is always 0, from the bytes of the tensors alive.
+# and residual states (activations, temporary buffers, fragmentation), recorded by MemoryHooks.
 def _dense_parts(t):
-    """The tensors whose storages hold t's elements: t itself, or a sparse tensor's indices and
-    values (a sparse tensor has no storage of its own)."""
+    """The tensors whose storages hold t's elements (a sparse tensor has no storage of its own)."""
     if t.layout == torch.sparse_coo:
         return [t._indices(), t._values()]
     if t.layout in (torch.sparse_csr, torch.sparse_bsr):
@@ -94,11 +84,9 @@ def _dense_parts(t):
 
 
 def live_storages(device_type="cpu"):
-    """{storage id: storage} of every tensor (and .grad) alive on `device_type`, each storage
-    once, keyed by the storage itself (data_ptr() is 0 on meta and raises once resize_(0) freed
-    it). A wrapper subclass (DTensor) is skipped: its local tensor is counted instead; so is a
-    FakeTensor torch.compile left behind, which holds no memory. A sparse tensor counts by the
-    storages of its indices and values. Tensors that only C++ holds are not seen."""
+    """{storage id: storage} of every tensor (and .grad) alive on `device_type`, each storage once
+    (data_ptr() is 0 on meta and raises once freed). Skipped: a wrapper subclass (DTensor: its
+    local tensor counts) and a FakeTensor (no memory). Tensors only C++ holds are not seen."""
     gc.collect()
     storages = {}
     with warnings.catch_warnings():
@@ -121,9 +109,8 @@ def _on_cuda():
 
 
 def _when_backward_reaches(t, fn):
-    """Call fn() when backward reaches the autograd node that made tensor t: for a view, its
-    base's node, since an in-place op on the view (x = self.fc(x); x.relu_()) takes the view's
-    own node, and a hook on it, out of the graph."""
+    """Call fn() when backward reaches the node that made t; for a view, its base's node, since an
+    in-place op on the view (x = self.fc(x); x.relu_()) takes the view's own node out of the graph."""
     node = (t._base if t._is_view() and t._base.grad_fn is not None else t).grad_fn
     if node is None:  # a leaf, returned as it is
         t.register_hook(lambda grad: fn())
@@ -132,10 +119,10 @@ def _when_backward_reaches(t, fn):
 
 
 class MemoryHooks:
-    """records: (phase, module name, allocated, reserved) at each module's forward start and
-    end and backward start (every_module=False: the root's only), while `recording` is True.
-    On CPU a record walks every live tensor (record a few steps, not all); on CUDA it reads
-    the allocator, and reserved - allocated is the fragmentation M_D fights."""
+    """records: (phase, module name, allocated, reserved) at each module's forward start and end and
+    backward start (every_module=False: the root's only), while `recording` is True. On CUDA from the
+    allocator (reserved - allocated is what M_D fights); on CPU, where the allocator reads 0, a record
+    walks every live tensor (record a few steps, not all)."""
 
     def __init__(self, module, every_module=True):
         self.records, self.recording, self.saved = [], False, None
@@ -146,9 +133,8 @@ class MemoryHooks:
         module.register_forward_hook(lambda mod, args, out: self._stop_seeing(), always_call=True)
 
     def _see_saved_tensors(self):
-        """The walk over live tensors sees a tensor through its Python object, and autograd keeps
-        some of what it saves for backward in C++ alone (log_softmax's output in cross_entropy):
-        during a recorded forward on CPU, every saved tensor is kept through a Python object."""
+        """Autograd keeps some tensors it saves in C++ alone (cross_entropy's log_softmax output), unseen
+        by live_storages: in a recorded forward on CPU, every saved tensor is kept through a Python object."""
         if self.recording and torch.is_grad_enabled() and not _on_cuda():
             self.saved = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
             self.saved.__enter__()
@@ -178,14 +164,12 @@ class MemoryHooks:
         return max((r[2] for r in self.records), default=0)
 
     def kept_by_forward(self, name=""):
-        """Bytes the first recorded forward of module `name` (default: the root) kept for its
-        backward: allocated at the forward's end minus at its start."""
+        """Bytes the first recorded forward of module `name` (default: the root) kept for backward."""
         start, end = [next((r[2] for r in self.records if r[:2] == (phase, name)), None)
                       for phase in ("forward start", "forward end")]
         if start is None or end is None:
-            raise ValueError(f"no recorded forward of module {name!r}: set recording = True around a forward, "
-                             f"and name a module of {sorted({r[1] for r in self.records})} (every_module=False "
-                             f"records the root, '', alone)")
+            raise ValueError(f"no recorded forward of module {name!r}: set recording = True around a forward and "
+                             f"name one of {sorted({r[1] for r in self.records})} (every_module=False: the root, '')")
         return end - start
 
 
@@ -206,10 +190,9 @@ class Precision:
 
 @dataclass
 class DynamicLossScale:
-    """fp16's dynamic loss scaling (Micikevicius et al. 2018, as torch's GradScaler): the loss is
-    multiplied by `scale` before backward; a step whose gradients overflow (inf or nan on any
-    rank) is skipped and the scale multiplied by backoff_factor (not below min_scale); after
-    growth_interval clean steps it is multiplied by growth_factor."""
+    """fp16's dynamic loss scaling (Micikevicius et al. 2018; torch's GradScaler): the loss is multiplied
+    by `scale`; a step whose gradients overflow on any rank is skipped and the scale multiplied by
+    backoff_factor (not below min_scale); after growth_interval clean steps, by growth_factor."""
     init_scale: float = 2.0**16
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -219,13 +202,11 @@ class DynamicLossScale:
 
 # -----------------------------------------------------------------------------------------
 # Sections 5 and 7 -- one flat parameter space, partitioned over the Nd ranks.
-# Parameters lie end to end in runs (parameters reduced or gathered together); a run is cut
-# into buckets of at most bucket_numel elements (C_B), and rank r owns chunk r of every bucket
-# (a run's last bucket is padded). Figure 1's one contiguous shard per rank would reduce a
-# bucket inside a shard into one rank, its link carrying Nd copies; split per bucket, each rank
-# sends and receives (Nd-1)/Nd of every bucket, a ring's volume (Section 7), at any Nd.
-# A rank's chunks end to end are its shard, its "own space" (shard_numel elements).
-# ZeRO-DP is built from two collectives over a bucket:
+# Parameters lie end to end in runs (reduced or gathered together), each cut into buckets of at
+# most C_B elements (its last one padded); rank r owns chunk r of every bucket, and its chunks
+# end to end are its shard, its "own space" (shard_numel elements). Figure 1's one contiguous
+# shard per rank would reduce a bucket into one rank, whose link carries Nd copies; per bucket,
+# each rank sends and receives (Nd-1)/Nd of every bucket, a ring's volume (Section 7), at any Nd.
 #   reduce-scatter  every rank's gradient bucket in, the mean of chunk r out on rank r
 #   all-gather      chunk r from rank r in, the whole bucket out on every rank
 @dataclass
@@ -242,8 +223,7 @@ class FlatPartition:
     def __init__(self, params, runs, group, bucket_numel, reduction, device):
         """params: trainable ones first (their index order); runs: [(parameters, trainable)] in flat order."""
         self.group, self.reduction, self.device = group, reduction, device
-        # small flags (which parameters were used, stage 3's gather check) must be readable: on the
-        # CPU when simulating on meta
+        # small flags (used parameters, stage 3's gather check) need values: the CPU when simulating on meta
         self.flag_device = torch.device("cpu") if device.type == "meta" else device
         self.nd, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.params = params
@@ -260,7 +240,7 @@ class FlatPartition:
                 self.buckets.append(Bucket(flat, min(full, numel - lo), chunk, own, trainable))
                 flat, own = flat + chunk * self.nd, own + chunk
             at = start
-            for p in run:  # end to end; each parameter's segments, bucket by bucket (every bucket but the last is full)
+            for p in run:  # end to end; each parameter's segments, bucket by bucket (all but the last full)
                 i, end = self.index[p], at + p.numel()
                 self.offsets[i] = at
                 while at < end:
@@ -294,28 +274,24 @@ class FlatPartition:
         return slice(b.own, b.own + b.chunk)
 
     def reduce_scatter(self, bucket, k):
-        """Start averaging `bucket` (chunk * Nd,) over the ranks; each rank sends and receives
-        (Nd-1)/Nd of it (Section 7.1). finish_reduce ends it. Each rank divides its own bucket by
-        Nd first, as DDP does: a sum of Nd fp16 gradients can overflow where their mean does not,
-        and at Nd 2 the mean then has DDP's bits whatever the values (small fp16 ones included)."""
+        """Start averaging `bucket` (chunk * Nd,) over the ranks, each sending and receiving (Nd-1)/Nd
+        of it (Section 7.1); finish_reduce ends it. Divided by Nd first, as DDP does: a sum of fp16
+        gradients can overflow where their mean does not, and at Nd 2 the mean has DDP's bits."""
         chunk = self.buckets[k].chunk
         bucket.div_(self.nd)  # in place: the bucket is this rank's to send
         if self.reduction == "exact":
-            # all-to-all: chunk j of my bucket to rank j -> row j of `received` is rank j's copy of my
-            # chunk, (nd * chunk,) = one bucket, whatever Nd
-            received = torch.empty_like(bucket)
+            received = torch.empty_like(bucket)  # all-to-all: chunk j of my bucket to rank j, one bucket's traffic
             work = self.start(dist.all_to_all_single, received, bucket)
-            return work, bucket, received.view(self.nd, chunk)
+            return work, bucket, received.view(self.nd, chunk)  # (nd * chunk,) -> row j: rank j's copy of my chunk
         # native: the backend's reduce-scatter, in place: my chunk of the bucket ends as the sum
         mine = bucket[self.rank * chunk:(self.rank + 1) * chunk]
         work = self.start(dist.reduce_scatter_single, mine, bucket)
         return work, bucket, mine.view(1, chunk)
 
     def finish_reduce(self, pending, out, add):
-        """Wait for a reduce_scatter; write its mean into out (chunk,), or add it (add=True).
-        Exact: the Nd rows (each divided by Nd) summed pairwise, a tree fixed by rank,
-        (g_0 + g_1) + (g_2 + g_3) at Nd 4. A level is one add over all its pairs: ceil(log2 Nd) kernels a
-        bucket, where a rank-by-rank fold would launch Nd - 1 (15 million a step for 1T at Nd 1024)."""
+        """Wait for a reduce_scatter; write its mean into out (chunk,), or add it (add=True). Exact: the
+        Nd rows summed pairwise, a tree fixed by rank, one add over all of a level's pairs: ceil(log2 Nd)
+        kernels a bucket, where a rank-by-rank fold would launch Nd - 1."""
         work, bucket, rows = pending
         self.wait(work)  # `bucket` was kept alive until now: it is the send buffer
         if out.is_meta:  # memory_table.py's simulation: meta tensors hold no values to add
@@ -348,13 +324,10 @@ class FlatPartition:
         return work
 
     def wait(self, work):
-        """Wait for an async collective of this rank's, and first for each one it started before,
-        in that order. A collective can fail on one rank alone (gloo's worker thread out of
-        memory): its peers wait in it for good, so this rank, waiting for a later one first, would
-        wait for good too, its error never raised. In order, the failure is raised first, and
-        what it started after stays unwaited (its buffers must not be freed). NCCL ends a group's
-        collectives in order anyway. (Stage 3's check of the ranks' gathers is waited for at once,
-        with a timeout of its own.)"""
+        """Wait for `work`, and first for each collective this rank started before it, in order. One can
+        fail on a rank alone (gloo out of memory), its peers waiting in it for good: waiting for a later
+        one first would hang too, the error never raised. (NCCL ends a group's collectives in order
+        anyway; stage 3's gather check waits at once, with a timeout of its own.)"""
         self.refuse_after_failure()
         try:
             if any(w is work for w in self.unwaited):
@@ -364,12 +337,11 @@ class FlatPartition:
                         break
             else:
                 work.wait()  # waited already: returns at once
-        except Exception as e:  # no batch can be skipped past it, as past an error before a collective started
+        except Exception as e:  # what was started after stays unwaited: its buffers must not be freed
             self._fail(e)
 
     def _fail(self, error):
-        """A collective failed to start or to end on this rank: its peers may wait in it for good,
-        so every later start and wait raises this at once, none hangs."""
+        """A collective failed on this rank: every later start and wait raises this at once, none hangs."""
         self.failed = f"rank {self.rank}: a collective failed ({error}); the other ranks may wait in it for good, " \
                       f"so training cannot go on: restart it from its last checkpoint"
         raise RuntimeError(self.failed) from error
@@ -379,9 +351,8 @@ class FlatPartition:
             raise RuntimeError(self.failed)
 
     def to_flat(self, own):
-        """(padded_numel,) in CPU memory from every rank's (shard_numel,): an all-gather per
-        bucket through a bucket-sized buffer, so the device holds one bucket more at any model
-        size (not in training)."""
+        """(padded_numel,) in CPU memory from every rank's (shard_numel,): an all-gather per bucket
+        through one bucket-sized buffer, so the device holds one bucket more at any model size."""
         full = torch.empty(self.padded_numel, dtype=own.dtype)
         buffer = own.new_empty(max(b.chunk for b in self.buckets) * self.nd)
         for k in range(len(self.buckets)):
@@ -408,10 +379,9 @@ class FlatPartition:
 
 # -----------------------------------------------------------------------------------------
 # Shard-only initialisation: a module built on the meta device is never whole on any rank.
-# Bucket by bucket, each rank materialises the modules whose parameters lie in the bucket,
-# has init_fn fill them, copies the bucket out and frees every module it is done with. A rank
-# holds what its stage keeps plus about one module: at stage 3, its shard and one unit.
-# init_fn must give every rank the same values (gpt.py seeds each parameter by its name).
+# Bucket by bucket, each rank materialises the modules whose parameters lie in the bucket, has
+# init_fn fill them (the same values on every rank: gpt.py seeds each parameter by its name),
+# copies the bucket out and frees each module it is done with: at stage 3, its shard and one unit.
 class MetaInit:
     def __init__(self, module, partition, init_fn):
         self.partition, self.init_fn, device = partition, init_fn, partition.device
@@ -422,15 +392,14 @@ class MetaInit:
         # parameters each module still has to copy out (an empty one has nothing to copy)
         self.left = collections.Counter(m for p, m in self.owner.items() if p.numel())
         self.last = [segments[-1][0] if segments else -1 for segments in partition.segments_of]
-        # Each parameter moves to the device now, before any hook is put on it (a hook lives on
-        # the tensor that swap_tensors replaces), as the same Parameter object with no storage yet.
+        # Each parameter moves to the device now, storageless, as the same Parameter object, before
+        # any hook is put on it (a hook lives on the tensor that swap_tensors replaces).
         for p in partition.params:
             real = torch.nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
             real.__dict__.update(p.__dict__)  # attributes such as gpt.py's tensor-parallel marks
             real.untyped_storage().resize_(0)
             torch.utils.swap_tensors(p, real)
-        # created: each buffer made here -> the first module holding it, whose init_fn must fill it
-        # (a buffer held by several modules, a shared mask, stays one tensor)
+        # created: buffer made here -> its first module, whose init_fn fills it (a shared mask stays one)
         self.materialized, self.created, made = set(), {}, {}
         for m in module.modules():  # buffers are small and every rank keeps them whole
             on_meta = [(name, b) for name, b in m.named_buffers(recurse=False) if b.is_meta]  # (a real one stays)
@@ -439,8 +408,7 @@ class MetaInit:
                     made[b] = torch.empty_like(b, device=device)
                     self.created[made[b]] = m
                 setattr(m, name, made[b])
-            fills = any(self.created[made[b]] is m for name, b in on_meta)
-            if fills and not self.left[m]:
+            if not self.left[m] and any(self.created[made[b]] is m for name, b in on_meta):
                 self._materialize(m)  # else init_fn fills them with its parameters, bucket by bucket
 
     def values(self, k):
@@ -460,9 +428,8 @@ class MetaInit:
         return values
 
     def _materialize(self, m):
-        """Storage for m's own parameters, then init_fn(m) fills them. A parameter m shares with
-        an earlier module (a tied weight) keeps that module's values, as when the tie is made
-        after both modules are built: init_fn(m) writes a scratch copy of it, dropped after."""
+        """Storage for m's own parameters, then init_fn(m) fills them. A weight tied to an earlier module
+        keeps its values (as if tied after both were built): init_fn(m) fills a scratch copy, dropped."""
         shared = {}
         for name, p in m.named_parameters(recurse=False):
             if self.owner[p] is m:
@@ -484,9 +451,8 @@ class MetaInit:
                  (t.isnan() if t.is_floating_point() or t.is_complex() else t == _unset_value(t)).any()]
         if unset:
             raise ValueError(f"init_fn left {unset} of {type(m).__name__} unset: init_fn(m) must fill every "
-                             f"parameter and buffer m holds itself, a buffer computed in __init__ too (a mask, "
-                             f"position ids, a RoPE cache; nn.MultiheadAttention has no reset_parameters: fill its "
-                             f"in_proj_weight, in_proj_bias)")
+                             f"parameter and buffer m holds itself, those computed in __init__ too (a mask, a "
+                             f"RoPE cache; nn.MultiheadAttention has no reset_parameters: fill its in_proj_*)")
         for name, p in shared.items():
             setattr(m, name, p)
 
@@ -500,31 +466,27 @@ def _unset_value(t):
 
 
 # -----------------------------------------------------------------------------------------
-# Section 5.1 -- P_os: the optimizer updates only this rank's part of the flat space, as
-# "pieces": the part of each trainable parameter in an owned range, 1-D views into the fp32
-# master (or the parameters). Stage 0 owns every bucket whole (own space = flat space); stages
-# 1-3 own their chunks. Per-rank optimizer states: KΨ/Nd.
+# Section 5.1 -- P_os: the optimizer updates only this rank's part of the flat space, as "pieces":
+# each trainable parameter's part in an owned range, a 1-D view into the fp32 master (or the parameters).
+# Stage 0 owns every bucket whole (own space = flat space), stages 1-3 their chunks. Per-rank: KΨ/Nd.
 @dataclass
 class Piece:
     index: int  # the parameter's index in the partition
-    flat: slice  # where it lies in the flat space (None: it does not lie in one stretch there)
+    flat: slice  # where it lies in the flat space (None: not in one stretch there)
     own: slice  # where it lies in this rank's own space
 
 
 def _norm(grad, norm_type):
-    """A gradient's norm by the kernel torch.nn.utils.clip_grad_norm_ takes it with on its device:
-    torch._foreach_norm where the device has foreach kernels (the CPU, CUDA), else
-    torch.linalg.vector_norm. (On the CPU both give the same bits; on CUDA the foreach kernel is
-    another kernel, which torch does not promise sums in vector_norm's order.)"""
+    """A gradient's norm by the kernel clip_grad_norm_ uses on its device: torch._foreach_norm where there
+    are foreach kernels (CPU, CUDA; on CUDA its summation order may differ), else vector_norm."""
     if _has_foreach_support([grad], grad.device):
         return torch._foreach_norm([grad], norm_type)[0]
     return torch.linalg.vector_norm(grad, norm_type)
 
 
 class _PieceStates(collections.defaultdict):
-    """The torch optimizer's state (its defaultdict(dict)), keyed by this rank's pieces. A model
-    parameter is no key: reading its state (optimizer.state[p]["exp_avg"], to log it) raises,
-    naming the fix, where a defaultdict would hand back, and keep, an empty state."""
+    """The torch optimizer's state (a defaultdict(dict)) keyed by this rank's pieces. Looking up a model
+    parameter raises, naming the fix, where a defaultdict would make and keep an empty state."""
 
     def __init__(self, names, states):
         super().__init__(dict, states)
@@ -532,10 +494,9 @@ class _PieceStates(collections.defaultdict):
 
     def __missing__(self, key):
         if key in self.names:
-            raise KeyError(f"{self.names[key]} is a parameter of the model, and zero's optimizer keeps its state "
-                           f"in pieces of each rank's shard (optimizer.param_groups lists this rank's, the keys "
-                           f"of optimizer.state): zero.full_optimizer_state(model)[{self.names[key]!r}] gathers it "
-                           f"whole, once a step has made it (a collective)")
+            raise KeyError(f"{self.names[key]} is a parameter of the model, but zero's optimizer keeps its state in "
+                           f"pieces of each rank's shard (the keys of optimizer.state): zero.full_optimizer_state("
+                           f"model)[{self.names[key]!r}] gathers it whole, once a step has made it (a collective)")
         return super().__missing__(key)
 
     def __copy__(self):  # (defaultdict's would call the constructor with its own arguments)
@@ -546,11 +507,9 @@ class _PieceStates(collections.defaultdict):
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """The optimizer a user steps: backward (with fp16 loss scaling), clip_grad_norm_, step,
-    zero_grad. It composes the parameters (5.1 or 5.3) and the gradient buckets (5.2). `optim`
-    is the torch optimizer over this rank's pieces; its param_groups, defaults and state are
-    ours. A torch.optim.Optimizer, so that torch's LR schedulers take it; Optimizer.__init__ is
-    not called, as `optim` holds the groups and the state."""
+    """The optimizer a user steps (backward with fp16 loss scaling, clip_grad_norm_, step, zero_grad) over the
+    parameters (5.1 or 5.3) and gradient buckets (5.2). A torch.optim.Optimizer for LR schedulers, never
+    __init__ed: `optim`, the torch optimizer over this rank's pieces, holds the groups and state."""
 
     def __init__(self, module, partition, parameters, gradients, precision, loss_scale, start,
                  optimizer_class, param_groups, optimizer_kwargs, tp_group):
@@ -562,26 +521,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
                               (partition.chunk(k), partition.own(k)) for k in range(len(partition.buckets))]
         self.own_numel = sum(o.stop - o.start for f, o in owned)
         self.n_trainable = sum(p.requires_grad for p in partition.params)
-        # A parameter's pieces in consecutive buckets lie end to end in the own space: where the
-        # optimizer's tensors are own-space ones (a master copy, stage 3's shard) they are one piece,
-        # so the optimizer holds a tensor per parameter, not one per bucket (15,000 a rank at 1T).
+        # A parameter's pieces in consecutive buckets lie end to end in own space: where the optimizer's tensors
+        # are own-space ones (fp32 master, stage 3's shard) they merge, a tensor per parameter, not per bucket.
         merge = precision.master_dtype is not None or parameters.in_own_space
         self.pieces = []
         for (f, o), b in zip(owned, partition.buckets):
             for i, lo, hi in b.segments if b.trainable else ():
                 lo, hi = max(lo, f.start), min(hi, f.stop)
-                own = slice(o.start + lo - f.start, o.start + hi - f.start)
-                last = self.pieces[-1] if self.pieces else None
                 if lo >= hi:
                     continue
+                own = slice(o.start + lo - f.start, o.start + hi - f.start)
+                last = self.pieces[-1] if self.pieces else None
                 if last and last.index == i and last.own.stop == own.start and (merge or last.flat.stop == lo):
                     flat = slice(last.flat.start, hi) if last.flat and last.flat.stop == lo else None
                     self.pieces[-1] = Piece(i, flat, slice(last.own.start, own.stop))
                 else:
                     self.pieces.append(Piece(i, slice(lo, hi), own))
-        # start(k): bucket k's starting values (rank 0's, or initialised here from the meta
-        # device). The parameters take them bucket by bucket, the fp32 master its owned ranges
-        # (from the full-precision values, before any cast).
+        # start(k): bucket k's starting values (rank 0's, or initialised here from meta); the parameters
+        # load them bucket by bucket, the fp32 master its owned ranges (full precision, before any cast)
         self.master = torch.empty(self.own_numel, dtype=precision.master_dtype, device=partition.device) \
             if precision.master_dtype else None
         self.weights_dtype = precision.master_dtype or precision.param_dtype  # the optimizer's weights and states
@@ -606,10 +563,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optim.state = _PieceStates(self.names, self.optim.state)
         self.param_groups, self.defaults, self.state = self.optim.param_groups, self.optim.defaults, self.optim.state
         self.module = weakref.ref(module)  # (which holds this optimizer: no cycle)
-        # step() updates the pieces a window at a time, consecutive pieces spanning at most a bucket
-        # (C_B) of the own space (or one larger piece): the gradient in the optimizer's dtype and the
-        # optimizer's own temporaries (foreach AdamW's denominators) exist for one window, not for
-        # the whole shard (4Ψ/Nd bytes each in 16-bit training), as DeepSpeed's sub_group_size.
+        # step() updates a window of pieces at a time, at most a bucket (C_B) of own space (or one piece): its
+        # gradient copy and the optimizer's temporaries exist for a window, not 4Ψ/Nd bytes each (sub_group_size).
         window, self.windows = max(b.chunk for b in partition.buckets) * partition.nd, []
         for piece, w in zip(self.pieces, self.weights):
             if not self.windows or piece.own.stop - self.windows[-1][0][0].own.start > window:
@@ -631,8 +586,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             setattr(self, f"_optimizer_{kind}_hooks", collections.OrderedDict())
         self._patch_step_function()
 
-    # torch.amp.GradScaler.step hands such an optimizer its scale and found_inf instead of
-    # unscaling p.grad, which zero leaves None; step() then refuses it, naming zero's own scaling
+    # GradScaler.step then sets grad_scale and found_inf instead of unscaling p.grad (None here): step() refuses
     _step_supports_amp_scaling = True
 
     def add_param_group(self, param_group):
@@ -649,30 +603,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _reduce(self):
         """The step's gradients reduced, and whether any rank's overflowed. Once per step."""
-        if not self.gradients.finished:
-            if self.gradients.stepped:
-                raise RuntimeError("step() has used this step's gradients and freed them: call optimizer.zero_grad() "
-                                   "and run the next backward before clip_grad_norm_() or step()")
-            unfrozen = [self.names[p] for p in self.partition.params[self.n_trainable:] if p.requires_grad]
-            if unfrozen:
-                raise RuntimeError(f"{unfrozen[:3]} had requires_grad=False at zero.initialize, which laid out "
-                                   f"gradients and optimizer states for the trainable parameters only: set "
-                                   f"requires_grad=True before zero.initialize (freezing later works)")
-            self.gradients.finish()
-            self.overflow = False
-            if self.scaler:  # (reading the flag waits for the device: only with loss scaling)
-                # over the whole buffer holding the reduced chunks: at stage 1 it is the full gradient,
-                # and a gradient that is not finite anywhere makes the sum its owner holds not finite
-                found_inf = (~self.gradients.reduced.isfinite()).any().float()
-                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.partition.group)  # any rank's
-                if self.tp_group:  # and any tp slice's: every tp rank skips the same steps
-                    dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.tp_group)
-                self.overflow = bool(found_inf)
+        if self.gradients.finished:
+            return
+        if self.gradients.stepped:
+            raise RuntimeError("step() has used this step's gradients and freed them: call optimizer.zero_grad() "
+                               "and run the next backward before clip_grad_norm_() or step()")
+        unfrozen = [self.names[p] for p in self.partition.params[self.n_trainable:] if p.requires_grad]
+        if unfrozen:
+            raise RuntimeError(f"{unfrozen[:3]} had requires_grad=False at zero.initialize, which laid out gradients "
+                               f"and optimizer states for trainable parameters only: set requires_grad=True before "
+                               f"zero.initialize (freezing later works)")
+        self.gradients.finish()
+        self.overflow = False
+        if self.scaler:  # (reading the flag waits for the device: only with loss scaling)
+            # over the whole reduced buffer (stage 1: the full gradient): inf anywhere makes its owner's sum inf
+            found_inf = (~self.gradients.reduced.isfinite()).any().float()
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.partition.group)  # a scalar: any rank's
+            if self.tp_group:  # and any tp slice's: every tp rank skips the same steps
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.tp_group)
+            self.overflow = bool(found_inf)
 
     def _grad(self, own, last=False):
-        """This rank's averaged gradient over slice `own` of its own space, in the optimizer's
-        dtype, unscaled and clipped: a view of the reduced gradient where nothing changes it or
-        where this is its last read (the step's), else one copy of the slice."""
+        """This rank's averaged gradient over slice `own` of its own space, in the optimizer's dtype, unscaled
+        and clipped: a view of the reduced gradient, copied first where it is changed and read again (not `last`)."""
         grad = self.gradients.own(own, self.weights_dtype)
         if (self.scaler or self.clips) and grad._is_view() and not last:  # clipping reads it again
             grad = grad.clone()
@@ -683,20 +636,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return grad
 
     def clip_grad_value_(self, clip_value):
-        """torch.nn.utils.clip_grad_value_, bit for bit: every element of the averaged gradient
-        clamped to [-clip_value, clip_value]. Elementwise, so each rank clamps its own part."""
+        """torch.nn.utils.clip_grad_value_, bit for bit: elementwise, so each rank clamps its own part."""
         clip_value = float(clip_value)
         if self.gradients.micro_batches > 0:  # (no backward yet: nothing to clip)
             self._reduce()
             self.clips.append(lambda grad: grad.clamp_(-clip_value, clip_value))
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
-        """torch.nn.utils.clip_grad_norm_, bit for bit: the norm of the per-parameter norms, then
-        every gradient times min(1, max_norm / (norm + 1e-6)). torch's norm of a tensor sums in an
-        order that depends on its length, so a gradient split over ranks is sent whole to one
-        "norm rank" (chosen to balance the bytes): each rank sends about Ψ/Nd elements a step, in
-        rounds of at most a bucket. With a tp_group, the norm is the whole model's (Megatron's rule):
-        the split parameters' norms from every tp rank, the replicated ones once. Returns the total norm."""
+        """torch.nn.utils.clip_grad_norm_, bit for bit: every gradient times min(1, max_norm / (norm + 1e-6)).
+        torch's norm sums in an order set by the tensor's length, so a split gradient goes whole to one "norm
+        rank" (about Ψ/Nd elements sent a rank). With a tp_group, the whole model's norm (Megatron's rule)."""
         max_norm, norm_type = float(max_norm), float(norm_type)  # as torch takes them (a tensor max_norm too)
         if self.gradients.micro_batches == 0:  # no backward yet: 0, nothing to clip
             return torch.zeros((), dtype=self.weights_dtype, device=self.partition.device)
@@ -728,8 +677,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return total
 
     def _tp_norm(self, norms, params, norm_type):
-        """The norm over every tp rank's slices, from each parameter's norm here: split parameters
-        count on every tp rank, replicated ones on tp rank 0 only; one all-reduce of a scalar."""
+        """The norm over every tp rank's slices: split parameters count on every tp rank, replicated ones
+        on tp rank 0 only; one all-reduce of a scalar."""
         if norm_type == 0:
             raise ValueError("clip_grad_norm_(norm_type=0) counts the parameters with a nonzero gradient, which the "
                              "tensor-parallel slices of a parameter cannot add up to: clip by norm_type 2 (or 1, inf)")
@@ -748,21 +697,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return part ** (1.0 / norm_type)
 
     def _norm_plan(self):
-        """Rounds of transfers that bring each gradient whole to its norm rank (the rank holding
-        all of it, else the least loaded). Each norm rank takes its gradients' segments in flat
-        order, a full bucket's worth (a window) at a time, every norm rank at once: no rank takes
-        in the whole model while the rest wait. This rank's part of each round: the own-space
-        slices it sends, in rank order, and how many elements go to each rank; the pieces it
-        receives, (parameter index, start in the parameter, length) in rank order, and how many
-        come from each rank; and whether anything moves. Made on the first clip, from every rank's
-        segments (index arithmetic over the partition, no tensors)."""
+        """Rounds of transfers bringing each gradient whole to its norm rank (the one holding all of it, else the
+        least loaded), a bucket's worth of every norm rank at a time. Per round, in rank order: this rank's sent
+        own-space slices, elements per rank, received pieces (parameter, start in it, length), elements per
+        rank, whether anything moves. Index arithmetic, made on the first clip."""
         if self.norm_plan is not None:
             return self.norm_plan
         part, me = self.partition, self.partition.rank
 
         def quarter(a, z, q):  # quarter q of [a, z)
             return a + (z - a) * q // 4, a + (z - a) * (q + 1) // 4
-
         norm_rank, load = [], [0] * part.nd
         for i in range(self.n_trainable):
             holders = [part.holders(k, lo, hi) for k, lo, hi in part.segments_of[i]]
@@ -784,9 +728,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     cut = min(hi, lo + room[r])
                     windows[r][-1].append((k, i, lo, cut))
                     room[r], lo = room[r] - (cut - lo), cut
-        # Window t of every norm rank travels in four rounds, a quarter of each sender's piece of
-        # it in each: a rank sends about a quarter bucket a round and receives at most that,
-        # whether or not the windows line up with the buckets.
+        # Window t of every norm rank travels in four rounds, a quarter of each sender's piece in each: a rank
+        # sends about a quarter bucket a round and receives at most that, however windows and buckets line up.
         self.norm_plan = []
         for t in range(max(len(w) for w in windows)):
             sends, receives, moves = [[] for _ in range(part.nd)], [[] for _ in range(part.nd)], False
@@ -841,11 +784,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                             "for fp16) before optimizer.step(), which returns False where fp16 skipped the step")
         if hasattr(self, "found_inf"):  # set by torch.amp.GradScaler.step (see _step_supports_amp_scaling)
             del self.grad_scale, self.found_inf  # (GradScaler deletes them only after a step that returns)
-            raise RuntimeError("torch.amp.GradScaler cannot see zero's gradients (p.grad stays None), so it would "
-                               "neither unscale them nor find an overflow: drop it, pass loss_scale=zero."
-                               "DynamicLossScale(growth_interval=2000, min_scale=0.0) (GradScaler's settings) to "
-                               "zero.initialize and call optimizer.backward(loss): the step then scales as GradScaler "
-                               "does, on fp32 parameters under torch.autocast too")
+            raise RuntimeError("torch.amp.GradScaler cannot see zero's gradients (p.grad stays None): drop it, pass "
+                               "loss_scale=zero.DynamicLossScale(growth_interval=2000, min_scale=0.0) to "
+                               "zero.initialize and call optimizer.backward(loss), which scales as GradScaler does")
         self.parameters.wait()  # stages 1-2: last step's all-gather, if no forward waited for it
         self._refuse_lost_writes()
         self._reduce()
@@ -876,10 +817,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return True
 
     def _written_since_step(self, record=True):
-        """The names of the parameters written in place through the Parameter (p.clamp_(),
-        p.copy_(), nn.init.*_(p)) since the last step, zero.initialize or load_checkpoint; their
-        versions recorded anew (record=True). (zero's own writes go through its buffers, not the
-        Parameter, so they change no version; a write through p.data cannot be seen.)"""
+        """Parameters written in place through the Parameter (p.clamp_()) since the last step, initialize or
+        load_checkpoint, their versions recorded anew if `record` (zero's own writes change no version; one
+        through p.data is unseen)."""
         versions = [p._version for p in self.partition.params]
         written = [self.names[p] for p, a, b in zip(self.partition.params, self.versions, versions) if a != b]
         if record:
@@ -887,28 +827,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return written
 
     def _refuse_lost_writes(self, record=True):
-        """Refuse what the step would lose or miss: a trainable parameter registered after
-        zero.initialize, one given new storage, and a write in place since the last step (WGAN's
-        p.clamp_()) where the parameters are not the weights the optimizer steps (an fp32 master;
-        stage 3, whose gathered copy is freed after its forward). Also from full_state_dict and
-        save_checkpoint (record=False: the step still raises), which would miss the write."""
+        """Refuse what the step would lose: a parameter registered after zero.initialize or given new storage, an
+        in-place write (WGAN's p.clamp_()) where the weights stepped are an fp32 master or stage 3's shard.
+        full_state_dict and save_checkpoint call it with record=False, so that the step still raises."""
         module = self.module()
         # (a parameter another zero model laid out is stepped by that model's optimizer)
         added = [n for n, p in module.named_parameters() if p.requires_grad and p not in self.partition.index
                  and not getattr(p, "_zero_laid_out", False)] if module is not None else []
         if added:
-            raise RuntimeError(f"rank {self.partition.rank}: {added[:3]} were registered after zero.initialize, which "
-                               f"laid out gradients and optimizer states for the parameters it was given only, so the "
-                               f"step would not update them (a parametrization that makes new parameters, such as "
-                               f"weight_norm, or a layer added to the model): apply parametrizations and add layers "
-                               f"before zero.initialize")
+            raise RuntimeError(f"rank {self.partition.rank}: {added[:3]} were registered after zero.initialize, so the "
+                               f"step would not update them (a new layer, a parametrization such as weight_norm): add "
+                               f"layers and apply parametrizations before zero.initialize")
         moved = [self.names[p] for p in self.partition.params if not self.parameters.holds(p)]
         if moved:
-            raise RuntimeError(f"rank {self.partition.rank}: {moved[:3]} no longer lie in zero's buffers (p.data = "
-                               f"t, or torch.nn.utils.vector_to_parameters, gave them new storage), so the step "
-                               f"would not update them, and nothing puts them back: rebuild the model and set the "
-                               f"values before zero.initialize (or restore a checkpoint into it); between steps, "
-                               f"write in place (with torch.no_grad(): p.copy_(t)), at stages 0-2 in fp32")
+            raise RuntimeError(f"rank {self.partition.rank}: {moved[:3]} got storage outside zero's buffers (p.data = "
+                               f"t, vector_to_parameters), so the step would not update them: rebuild the model and "
+                               f"set the values before zero.initialize (or load a checkpoint); between steps write in "
+                               f"place (with torch.no_grad(): p.copy_(t)), at stages 0-2 in fp32")
         written = self._written_since_step(record)
         if written and self.parameters.in_own_space:
             self.parameters.refill_stand_ins()
@@ -919,8 +854,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                    "not reach (outside its module's forward it changed no weight)")
             raise RuntimeError(f"rank {self.partition.rank}: {written[:3]} were written in place since the last "
                                f"step, but {why}: set the values before zero.initialize, restore them with "
-                               f"zero.load_checkpoint, or write parameters between steps at stages 0-2 without "
-                               f"param_dtype (fp32, where the parameters are the weights the optimizer steps)")
+                               f"zero.load_checkpoint, or write them between steps at stages 0-2 without param_dtype")
 
     def _free_grads(self):
         """The step's gradients are used (or dropped): the next step reduces and clips anew."""
@@ -955,11 +889,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # For checkpoints: this rank's shard, read and written through its own space.
     def _all_states(self):
-        """(the elementwise optimizer states' keys, {parameter name: its other states, e.g.
-        AdamW's step}, {parameter name: its elementwise keys (a group with amsgrad=True has one
-        more)}) for every parameter with state, the same on every rank: one object gather
-        (a collective; a rank may hold no piece). Every piece of a parameter steps together, so
-        the rank holding its first element speaks for it: O(parameters) gathered, at any Nd."""
+        """(elementwise state keys, {name: other states, e.g. AdamW's step}, {name: its elementwise keys}) for
+        every parameter with state, alike on every rank. A parameter's pieces step together, so the rank with
+        its first element speaks for it: one all_gather_object (a collective) of O(parameters)."""
         part, scalars, keys_of = self.partition, {}, {}
         for piece, w in zip(self.pieces, self.weights):
             state = self.optim.state.get(w, {})
@@ -976,8 +908,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return sorted(set().union(*keys_of.values())), scalars, keys_of
 
     def _own_state(self, key, s=None):
-        """Optimizer state `key` over slice s of the own space (default: all of it), zeros where
-        no piece has it."""
+        """Optimizer state `key` over slice s of the own space (default: all), zeros where no piece has it."""
         s = slice(0, self.own_numel) if s is None else s
         own = torch.zeros(s.stop - s.start, dtype=self.weights_dtype, device=self.partition.device)
         i = max(bisect.bisect_right(self.pieces, s.start, key=lambda piece: piece.own.start) - 1, 0)
@@ -990,8 +921,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return own
 
     def _saved_chunk(self, key, k):
-        """This rank's chunk of bucket k of the weights (the fp32 master, else the parameters) or
-        of optimizer state `key`: what a checkpoint holds of it."""
+        """This rank's chunk of bucket k of the weights (fp32 master, else parameters) or of state `key`."""
         part = self.partition
         own = part.chunk(k) if self.own_numel == part.padded_numel else part.own(k)  # stage 0: own = flat
         if key != "weights":
@@ -1001,25 +931,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 # -----------------------------------------------------------------------------------------
 # Section 5.2 -- P_os+g: gradient buckets, reduced during backward.
-# A bucket is reduced once every parameter in it has its gradient, last bucket first (the
-# order backward produces them), one in flight while backward computes the next. Stages 0-1
-# keep the full gradient (4Ψ in fp32; the buckets are views into it); stages 2-3 keep only the
-# reduced chunks (4Ψ/Nd), a bucket living until it is reduced. Each micro-batch's backward is
-# reduced on its own and added to the sum so far.
+# A bucket is reduced once all its gradients are in, last first (backward's order), one in flight
+# while backward computes the next. Stages 0-1 keep the full gradient (4Ψ in fp32, the buckets views
+# into it); stages 2-3 only the reduced chunks (4Ψ/Nd), each bucket living until it is reduced.
+# Each micro-batch's backward is reduced on its own and added to the sum so far.
 class GradientBuckets:
     def __init__(self, partition, precision, keep_full, replicate, on_grad, on_backward_end, name):
-        """keep_full: stages 0-1; replicate: stage 0, whose all-reduce is the reduce-scatter
-        followed by an all-gather of the reduced chunks. on_grad(p), on_backward_end(): the
-        parameters' hooks (stage 3 frees a module's parameters when backward is done with them).
-        name: the model's class, for errors."""
+        """keep_full: stages 0-1; replicate: stage 0 (see finish). on_grad, on_backward_end: the parameters' hooks."""
         self.partition, self.precision, self.replicate, self.name = partition, precision, replicate, name
         self.on_grad, self.on_backward_end = on_grad, on_backward_end
         self.n_trainable = sum(p.requires_grad for p in partition.params)
         device = partition.device
         self.full = torch.zeros(partition.padded_numel, dtype=precision.param_dtype, device=device) \
             if keep_full else None
-        # the reduced chunks go into the full gradient (stages 0-1, when it has the reduce dtype),
-        # else a buffer of their own: the flat space at stage 0, the own space at 1-3
+        # reduced chunks: in the full gradient where it has the reduce dtype, else a flat (stage 0) or own-space buffer
         in_full = keep_full and precision.reduce_dtype == precision.param_dtype
         self.reduced = self.full if in_full else torch.zeros(
             partition.padded_numel if replicate else partition.shard_numel, dtype=precision.reduce_dtype, device=device)
@@ -1042,9 +967,7 @@ class GradientBuckets:
         for p in self.partition.params:
             p.grad = None
         self.micro_batches, self.used_so_far, self.used_flags = 0, [False] * self.n_trainable, []
-        # finished: reduced for clip_grad_norm_() or step(), until the step uses them (or zero_grad);
-        # stepped: the step has used them, until zero_grad
-        self.finished, self.stepped = False, False
+        self.finished, self.stepped = False, False  # finished: reduced by a clip or step(); stepped: used
         self._new_backward()
 
     @property
@@ -1064,8 +987,7 @@ class GradientBuckets:
         self.in_backward, self.for_params = False, True  # (True: step() without a backward reduces zeros)
 
     def _bucket(self, k):
-        """Where bucket k's gradients are written: the full gradient in the first backward of a
-        step (stages 0-1); else a bucket of its own, allocated on first use."""
+        """Where bucket k's gradients go: the full gradient in a step's first backward (stages 0-1), else its own."""
         if self.full is not None and self.micro_batches == 0:
             return self.full[self.partition.flat_range(k)]
         if k not in self.temporary:  # empty: every element is written (a gradient, zeros, padding)
@@ -1076,10 +998,8 @@ class GradientBuckets:
         return self.temporary[k]
 
     def begin(self, for_params=True):
-        """At a backward's first gradient hook (stage 3: its first module's pre-backward), and at
-        each parameter's gradient. A backward in which no parameter's gradient accumulates
-        (stage 3's autograd.grad(loss, x) for an input: for_params=False) reduces nothing and is
-        no micro-batch, as with DDP."""
+        """At a backward's first hook (stage 3: first pre-backward) and at each gradient. A backward with no
+        parameter's gradient (stage 3's autograd.grad(loss, x)) reduces nothing and is no micro-batch, as in DDP."""
         if not self.in_backward:
             Variable._execution_engine.queue_callback(self._finish_backward)
             self.in_backward, self.for_params = True, False
@@ -1088,13 +1008,11 @@ class GradientBuckets:
         self.for_params = True  # (also when a gradient comes after all, as from a reentrant checkpoint's backward)
         if self.finished:  # it would miss the clip (and stage 0's all-gather)
             raise RuntimeError("backward after optimizer.clip_grad_norm_() (or clip_grad_value_()) in the same step: "
-                               "the clip reduced and clipped the gradients so far; clip after the step's last "
-                               "backward, just before step()")
+                               "clip after the step's last backward, just before step()")
         if self.stepped:  # its sum would be added to the gradients the step has used
             raise RuntimeError(f"backward reached {self.name}'s parameters after its optimizer.step() without "
                                f"optimizer.zero_grad() (or model.zero_grad()): zero the gradients after each step "
-                               f"(also before another model's loss backpropagates through this one, as a GAN's "
-                               f"generator loss through its discriminator)")
+                               f"(also before another model's loss backpropagates through this one)")
 
     def grad_ready(self, p):
         """Post-accumulate-grad hook: p's gradient for this backward is complete."""
@@ -1104,13 +1022,12 @@ class GradientBuckets:
         part, i = self.partition, self.partition.index[p]
         if self.used[i]:  # its bucket may be reduced already: the second part would be lost
             raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient twice in one backward: a "
-                               f"module called more than once inside torch.utils.checkpoint(use_reentrant=True) "
-                               f"(or used inside and outside it), which runs a backward of its own per call; use "
-                               f"use_reentrant=False (or zero.checkpoint_activations)")
-        if p.grad.layout != torch.strided:  # the buckets are dense
-            raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a sparse gradient (nn.Embedding or "
-                               f"nn.EmbeddingBag with sparse=True): ZeRO reduces dense gradient buckets; build the "
-                               f"layer with sparse=False")
+                               f"module called more than once inside torch.utils.checkpoint(use_reentrant=True) (or "
+                               f"used inside and outside it); use use_reentrant=False (or zero.checkpoint_activations)")
+        if p.grad.layout != torch.strided:
+            raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a sparse gradient "
+                               f"(nn.Embedding or nn.EmbeddingBag with sparse=True): ZeRO's buckets are dense; build "
+                               f"the layer with sparse=False")
         self.used[i] = True
         grad, a = p.grad.view(-1), part.offsets[i]
         for k, lo, hi in part.segments_of[i]:  # copy into the bucket(s) it falls in
@@ -1150,9 +1067,8 @@ class GradientBuckets:
         self._reduce_ready_buckets()
         while self.in_reduction:
             self._finish_reduction()
-        # A parameter unused on every rank in every micro-batch keeps no gradient (the
-        # optimizer skips it, as with DDP's find_unused_parameters=True); one used anywhere
-        # gets the average. The flags travel while the next micro-batch runs; the step reads them.
+        # A parameter unused on every rank in every micro-batch keeps no gradient (as DDP's
+        # find_unused_parameters=True). The flags travel while the next micro-batch runs.
         used = torch.tensor(self.used, dtype=torch.int32, device=part.flag_device)
         work = part.start(dist.all_reduce, used, op=dist.ReduceOp.MAX)  # (n_trainable,)
         self.used_flags.append((work, used))
@@ -1161,9 +1077,8 @@ class GradientBuckets:
         self._new_backward()
 
     def finish(self):
-        """At step time: the step's gradients reduced (no backward: zeros reduced); at stage 0
-        all-gathered too, since all-reduce = reduce-scatter + all-gather: each rank sends its
-        reduced chunks (Ψ/Nd)."""
+        """At step time: the step's gradients reduced (zeros if no backward ran); at stage 0 all-gathered
+        too, as all-reduce = reduce-scatter + all-gather: each rank sends its reduced chunks (Ψ/Nd)."""
         if self.micro_batches == 0:
             self._finish_backward()
         self.finished = True
@@ -1172,9 +1087,8 @@ class GradientBuckets:
             part.all_gather(self.reduced[part.flat_range(k)], self.reduced_chunks[k], async_op=False)
 
     def own(self, s, dtype):
-        """The reduced gradient over slice s of this rank's own space, in `dtype`: a view of
-        `reduced` where it lies there in that dtype, else a copy (at stage 1 the reduced chunks lie
-        in the full gradient, each at its bucket's place)."""
+        """The reduced gradient over slice s of this rank's own space, in `dtype`: a view of `reduced`,
+        else a copy (at stage 1 the reduced chunks lie in the full gradient, each at its bucket's place)."""
         if self.reduced is not self.full or self.replicate:  # own space laid out in `reduced`
             return self.reduced[s].to(dtype)
         part = self.partition
@@ -1198,12 +1112,10 @@ def _call_weakly(method, *args):
 # step (5.1), stages 1-2 all-gather each bucket's updated chunks in place, left in flight: each
 # module's next forward waits for the buckets that cover the parameters it reads.
 class ParameterReads(TorchFunctionMode):
-    """Active during the first forward of the whole module: on_read(module, t, func) for every
-    tensor t a torch function is handed, zero's hooks included (module: the innermost of the
-    `running` modules stages 1-2 keep, or None). Stages 1-2 learn what each module's own code
-    reads, another module's parameters too (F.embedding(idx, self.head.weight) before self.head
-    runs; nn.MultiheadAttention reads out_proj.weight without calling out_proj); stage 3 refuses
-    a read of a freed parameter."""
+    """In the first forward of the whole module: on_read(module, t, func) for each tensor t a torch function gets,
+    in zero's hooks too (module: the innermost `running`, or None). Stages 1-2 learn what each module's code reads,
+    another's parameters too (nn.MultiheadAttention reads out_proj.weight without calling out_proj); stage 3
+    refuses a read of a freed parameter."""
 
     def __init__(self, on_read):
         super().__init__()
@@ -1226,13 +1138,11 @@ class FlatParameters:
         self.reads, self.read_ends = None, {}  # in the first forward: how far each module's code read
         self.ends = None  # then: each module's wait point
         if gather_after_step:
-            # the end of each module's own parameters, as initialize found them: in a forward under
-            # torch.func.functional_call, m.parameters() are the tensors it swapped in
-            self.own_end = {m: max((partition.offsets[partition.index[p]] + p.numel() for p in m.parameters(recurse=False)),
-                                   default=0) for m in module.modules()}
+            # taken now: under torch.func.functional_call, m.parameters() are the tensors it swapped in
+            self.own_end = {m: max((partition.offsets[partition.index[p]] + p.numel()
+                                    for p in m.parameters(recurse=False)), default=0) for m in module.modules()}
             for m in module.modules():
-                # a module with no parameter below reads none; torch.compile's wrapper (compiled before
-                # zero.initialize) only calls the module it wraps, whose hooks run inside the compiled code
+                # no hooks on a module with no parameter below, nor on torch.compile's wrapper (its inner module's run)
                 if next(m.parameters(), None) is not None and "_orig_mod" not in m._modules:
                     # prepend: before a pre-hook the module had already (weight_norm's reads the weights)
                     m.register_forward_pre_hook(lambda mod, args: self._pre_forward(mod), prepend=True)
@@ -1244,17 +1154,14 @@ class FlatParameters:
             module.register_forward_hook(lambda mod, args, out: self._learn_ends(), always_call=True)
 
     def _after_wait(self, module, *args, **kwargs):
-        """A parameter read between step() and the next forward (an EMA, a logged norm) is the
-        stepped weight: listing the parameters waits for the all-gathers in flight. (A method
-        of the module, as torch.compile expects named_parameters to be.)"""
+        """Listing the parameters waits for step()'s all-gathers, so a read before the next forward (an
+        EMA) sees the stepped weights. A method of the module, as torch.compile expects."""
         self.wait()
         return type(module).named_parameters(module, *args, **kwargs)
 
     def end_raised_forward(self):
-        """End a first forward that a BaseException other than an Exception (KeyboardInterrupt)
-        stopped: Module.__call__ runs always_call hooks on an Exception only, so its
-        ParameterReads is still active. It learns the reads so far, as one that raised an
-        Exception does. At zero_grad()."""
+        """At zero_grad(): end a first forward stopped by a KeyboardInterrupt (always_call hooks run on
+        an Exception only, so its ParameterReads is still active), learning the reads so far."""
         if self.reads is not None:
             self._learn_ends()
 
@@ -1283,19 +1190,17 @@ class FlatParameters:
             self.reads.running.pop()
 
     def _learn_ends(self):
-        """Each module's wait point: the end of what its own code read in the first forward, and
-        at least of its own parameters and of children that did not run there (should reads have
-        escaped the mode, inside a region torch.compile made)."""
+        """Each module's wait point: the end of what its code read in the first forward, and at least of
+        its own parameters and of children that did not run (in case reads escaped the mode in torch.compile)."""
         if self.ends is not None or self.reads is None:
             return
         self.reads.__exit__(None, None, None)
         self.reads = None
-        ran = self.read_ends
 
         def end(m):
-            return max([self.own_end.get(m, 0)] + [end(c) for c in m.children() if c not in ran])
+            return max([self.own_end.get(m, 0)] + [end(c) for c in m.children() if c not in self.read_ends])
 
-        self.ends = {m: max(read, end(m)) for m, read in ran.items()}
+        self.ends = {m: max(read, end(m)) for m, read in self.read_ends.items()}
 
     def load(self, k, values):
         self.flat[self.partition.flat_range(k)].copy_(values)
@@ -1332,8 +1237,7 @@ class FlatParameters:
             self.issued_at = [p._version for p in part.params]
 
     def wait(self, end=math.inf):
-        """Wait for the all-gathers step() left in flight, of flat elements [0, end); a write into
-        a parameter they overwrote in part (through an attribute, which does not wait) raises."""
+        """Wait for step()'s all-gathers of flat elements [0, end); raise where one overwrote a write made since."""
         while self.in_flight and self.partition.buckets[self.in_flight[0][0]].start < end:
             k, work = self.in_flight[0]
             self.partition.wait(work)
@@ -1342,10 +1246,8 @@ class FlatParameters:
                        if self.partition.params[i]._version != self.issued_at[i]]
             if written:
                 raise RuntimeError(f"rank {self.partition.rank}: {written[:3]} were written in place while step()'s "
-                                   f"all-gather of the updated parameters was in flight (stages 1-2 leave it in "
-                                   f"flight until a forward or a listing of the parameters waits for it), so it "
-                                   f"overwrote part of the write: call optimizer.wait_params() after step() and "
-                                   f"before writing into parameters (model.parameters() waits too)")
+                                   f"all-gather of the updated parameters was in flight, which overwrote part of it: "
+                                   f"call optimizer.wait_params() after step() and before writing into parameters")
 
     def full(self):
         return self.flat
@@ -1362,18 +1264,16 @@ class FlatParameters:
 
 # -----------------------------------------------------------------------------------------
 # Section 5.3 -- P_os+g+p: parameters exist in full only while a module uses them.
-# Each rank keeps its chunks of every bucket ((4 + 4 + K)Ψ/Nd in all). Before a module's
-# forward and again before its backward its parameters are all-gathered, bucket by bucket,
-# straight into the buffer they are views of (Section 7.2.2: Ψ in forward, Ψ in backward, less
-# the last units, which a forward keeps for backward), and freed after the forward and once
-# backward has all their gradients. Every rank must run the same modules in the same order (as
-# with FSDP and DeepSpeed ZeRO-3).
+# Per-rank model states: (4 + 4 + K)Ψ/Nd, this rank's chunk of every bucket. Before a module's forward and
+# again before its backward its parameters are all-gathered, bucket by bucket, into the buffer they are views
+# of (Section 7.2.2: Ψ in forward, Ψ in backward, less the last units, which forward keeps for backward), and
+# freed after forward and once backward has all their gradients. Every rank must run the same modules in the
+# same order (as with FSDP and DeepSpeed ZeRO-3).
 def gather_groups(module, units):
-    """What stage 3 gathers together: a unit (e.g. a transformer block) all the parameters below
-    it, any other module its own. A parameter of several modules (a tied embedding) is a group
-    of its own, kept from its first use to the end of the forward, so forward moves Ψ and no
-    more. torch's nn.MultiheadAttention reads out_proj's parameters without calling out_proj:
-    it is always a unit. Returns (groups, [(module, its group indices)], shared groups)."""
+    """A unit (a transformer block) gathers all the parameters below it, any other module its own; a parameter of
+    several modules (a tied embedding) is a group of its own, kept from its first use to the end of forward, so
+    forward moves Ψ. nn.MultiheadAttention reads out_proj's weights without calling it: always a unit.
+    Returns (groups, [(module, its group indices)], shared groups)."""
     units = list(units)  # (a generator: read once, by the check below)
     containers = [type(u).__name__ for u in units if isinstance(u, (torch.nn.ModuleList, torch.nn.ModuleDict))]
     if containers:
@@ -1404,10 +1304,8 @@ _CHECK_GROUPS = {}  # data-parallel group -> the group stage 3's gather check ru
 
 
 def check_group(group=None):
-    """The group stage 3's check of the ranks' gathers runs on (see _check_same_group): on gloo,
-    one of its own over the same ranks, made at the first call, so that its 16 bytes wait behind
-    no bucket in the two worker threads gloo runs a group's collectives in; on other backends the
-    group itself. The first call is a collective of the group's ranks."""
+    """The group stage 3's gather check runs on: on gloo one of its own over the same ranks (the first call is
+    their collective), so its 16 bytes wait behind no bucket in gloo's two worker threads; else the group."""
     group = group or dist.group.WORLD
     if dist.get_backend(group) != "gloo":
         return group
@@ -1451,13 +1349,11 @@ class ShardedParameters:
             # prepend: gathered before a pre-hook the module had already (weight_norm's computes the weight)
             m.register_forward_pre_hook(lambda mod, args, kwargs, gids=gids: self._pre_forward(gids, args, kwargs),
                                         with_kwargs=True, prepend=True)
-            # always_call: also when forward raises, as a recomputation in backward (P_a) does when
-            # torch's checkpoint stops it early, so the module's count of users still goes down
+            # always_call: refcount drops also when forward raises (torch's checkpoint stops a P_a recompute early)
             m.register_forward_hook(lambda mod, args, out, gids=gids: self._post_forward(gids, out), always_call=True)
         for m in module.modules():  # a module inside a unit too: its parameters are freed with the unit's
             m.register_state_dict_pre_hook(self._refuse_state_dict)
-        # always_call: a forward that raised frees the groups it prefetched too (but those kept
-        # for backward: zero_grad() frees them)
+        # always_call: a forward that raised frees its prefetched groups too (zero_grad() those kept for backward)
         module.register_forward_hook(lambda mod, args, out: self._end_forward(), always_call=True)
         module.register_forward_hook(lambda mod, args, out: self._learn_order())  # (a forward that raised: not all)
         module.register_forward_pre_hook(lambda mod, args: self._start_reading(), prepend=True)
@@ -1468,11 +1364,9 @@ class ShardedParameters:
         self.shard[self.partition.own(k)].copy_(values[self.partition.rank * chunk:(self.partition.rank + 1) * chunk])
 
     def bind(self):
-        """Each parameter is a view into its group's buffer while gathered (the buffers are made
-        and freed one at a time, so none is ever whole here). Freed, it is a stand-in of its
-        shape, dtype and device that reads as NaN: it has no values on this rank, and reading
-        the freed buffer itself would crash the process. (A stand-in holds one element; one of a
-        parameter with one element is its own.)"""
+        """While gathered, each parameter is a view into its group's buffer (made and freed here one by one). Freed,
+        it is a stand-in of its shape, dtype and device that reads as NaN (reading the freed buffer would crash
+        the process); a stand-in holds one element, so a one-element parameter gets its own."""
         part = self.partition
         nan = torch.full((), math.nan, dtype=self.dtype, device=part.device)
         for ks, members in zip(self.group_buckets, self.groups):
@@ -1518,9 +1412,8 @@ class ShardedParameters:
     def refill_stand_ins(self):
         """NaN again in every stand-in: fill_ and zero_ on one write the element they share."""
         with torch.no_grad():
-            for views in self.views:
-                for p, view, stand_in in views:
-                    stand_in.fill_(math.nan)
+            for p, view, stand_in in itertools.chain(*self.views):
+                stand_in.fill_(math.nan)
 
     def _gathered(self, g):
         """Whether group g's buffer holds its storage (gathered, or an all-gather on its way)."""
@@ -1541,8 +1434,8 @@ class ShardedParameters:
         """(keep_vars=True hands back the Parameters themselves, as named_parameters() does: allowed.)"""
         if not keep_vars:
             raise RuntimeError("at stage 3 a parameter holds data only while its module runs, so module.state_dict() "
-                               "has nothing to copy: zero.full_state_dict(model) gathers the full tensors (a "
-                               "collective), zero.save_checkpoint(path, model, optimizer) saves the shards")
+                               "has nothing to copy: use zero.full_state_dict(model) (a collective) or "
+                               "zero.save_checkpoint(path, model, optimizer)")
 
     def _gather(self, gids, prefetch=False):
         """Gather groups gids (prefetch: leave the all-gathers in flight)."""
@@ -1555,18 +1448,17 @@ class ShardedParameters:
                 continue  # gathered already (or on its way)
             moved = [tuple(p.shape) for p, view, stand_in in self.views[g] if not self.holds(p)]
             if moved:  # the gather would replace it with the shard's values
-                raise RuntimeError(f"stage 3: parameters {moved[:3]} of {self.names[g]} were given new storage (p.data = "
-                                   f"t, torch.nn.utils.vector_to_parameters) outside its forward, where they hold "
-                                   f"no values on this rank, so their values would be dropped, and nothing puts "
-                                   f"them back: rebuild the model and set the values before zero.initialize (or "
-                                   f"restore a checkpoint into it)")
+                raise RuntimeError(f"stage 3: parameters {moved[:3]} of {self.names[g]} were given new storage "
+                                   f"(p.data = t, vector_to_parameters) outside its forward, where they hold no values "
+                                   f"here, so their values would be lost: rebuild the model and set the values before "
+                                   f"zero.initialize (or restore a checkpoint into it)")
             self._check_same_group(g)
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
             for p, view, stand_in in self.views[g]:
                 p.data = view
             start = part.buckets[self.group_buckets[g][0]].start
-            # one all-gather per bucket, from every rank's shard into the parameters' own buffer,
-            # each recorded in in_flight as it starts: _free waits for it, whatever raises
+            # one all-gather per bucket k: every rank's chunk (chunk,) -> buf's slice (chunk * nd,), each rank
+            # sending its chunk to nd - 1; recorded in in_flight as it starts: _free waits for it, whatever raises
             works = self.in_flight[g] = [None] * len(self.group_buckets[g])
             try:
                 for i, k in enumerate(self.group_buckets[g]):
@@ -1579,9 +1471,9 @@ class ShardedParameters:
                 self._wait_gathered(g)
 
     def _check_same_group(self, g):
-        """Before each gather the ranks compare the group's index (an all-reduce of 2 integers): a
-        branch taken by some ranks only is an error, not a hang or the wrong parameters; a rank
-        that stops gathering leaves the others an error after check_timeout seconds."""
+        """Before each gather the ranks all-reduce (g, -g) with MAX (16 bytes): a branch some ranks take is an error,
+        not a hang or the wrong parameters; a rank that stops gathering leaves the others an error after
+        check_timeout."""
         rule = ("every rank must run the same modules in the same order at stage 3: take a branch on "
                 "every rank or on none (or use stage 2, which allows it)")
         self.partition.refuse_after_failure()  # (not a wait of check_timeout for ranks stuck in the failed one)
@@ -1599,11 +1491,10 @@ class ShardedParameters:
                                f"{self.names[-low]}): {rule}")
 
     def _wait_gathered(self, g):
-        """Wait for group g's all-gathers in flight, each leaving in_flight as it ends (an
-        interrupt leaves the rest for _free to wait for). A failure, of one of them or of a
-        collective this rank started before them, is raised at once and the group never taken for
-        gathered: freed if its all-gathers have all ended, else left to them (its peers may wait
-        in the failed one for good, and so would this rank, waiting for the rest)."""
+        """Wait for group g's all-gathers, each leaving in_flight as it ends (an interrupt leaves the rest to
+        _free). A failure (of one, or of an earlier collective) raises at once, the group never taken for
+        gathered: dropped if all its all-gathers ended, else left to them (peers may be stuck in the failed one,
+        so waiting for the rest could hang this rank too)."""
         works = self.in_flight.get(g, [])
         try:
             while works:
@@ -1622,15 +1513,14 @@ class ShardedParameters:
             self._wait_gathered(g)
 
     def _prefetch(self, gids, step):
-        """Gather the next units (in the first forward's order, reversed in backward) as this one
-        starts, so a small module between two blocks does not leave the next block's gather exposed."""
+        """Gather the next units (the first forward's order; reversed in backward) as this one starts, so a
+        small module between two blocks does not leave the next block's gather exposed."""
         k = self.unit_position.get(id(gids))
         for ahead in self._ahead(k, step) if k is not None else ():
             self._gather(ahead, prefetch=True)
 
     def _ahead(self, k, step):
-        """The units after the one at position k of the order (step +1; before it: -1), up to
-        `prefetch` times the largest unit's elements."""
+        """The units after position k of the order (step +1; before it: -1), up to `prefetch` largest units."""
         units, budget = [], self.prefetch_numel
         while budget > 0 and 0 <= k + step < len(self.unit_order):
             k += step
@@ -1639,12 +1529,9 @@ class ShardedParameters:
         return units
 
     def _read(self, m, t, func):
-        """In the first forward, a read of a freed parameter's values is an error, not NaN: a
-        module reading another's weight after that one ran (logits = h @ self.emb.weight.T), a
-        forward hook registered after zero's, which freed the weights already. Its shape, dtype
-        or device may be read. A parameter read without a gradient edge (p.detach(), p.data) may
-        be saved for another tensor's gradient, which backward can compute after the parameter's
-        own: its group is kept as one with a frozen parameter is (see _watch_inputs)."""
+        """In the first forward, reading a freed parameter's values (not its metadata) is an error, not NaN. A
+        parameter read without a gradient edge (p.detach(), p.data) may be saved for another tensor's gradient,
+        computed after its own: its group is kept as a frozen parameter's is (see _watch_inputs)."""
         name = getattr(func, "__name__", repr(func))
         if t in self.group_of and (name == "detach" or func == torch.Tensor.data.__get__):
             self.detached.add(self.group_of[t])
@@ -1652,22 +1539,18 @@ class ShardedParameters:
         if t.untyped_storage()._cdata not in self.stand_ins or name in _METADATA:
             return
         what = f"a parameter of {self.names[self.group_of[t]]}" if t in self.group_of else "a freed parameter"
-        raise RuntimeError(f"stage 3: {what} {tuple(t.shape)} was read ({name}) while no module holding it "
-                           f"ran, so it has no data here: stage 3 gathers a parameter only while its module runs. "
-                           f"Read it through a module that holds it (a tied head: self.head.weight = "
-                           f"self.emb.weight, then self.head(h)), make a module around both a unit "
-                           f"(stage3_units=[...]), or register a forward hook that reads it with prepend=True. "
-                           f"A module inside a unit called outside it (block.fc(h) after block(x)) has no hooks "
-                           f"of its own: its parameters are gathered with the unit's, only while the unit runs; "
-                           f"call it inside the unit, or leave the unit out of stage3_units")
+        raise RuntimeError(f"stage 3: {what} {tuple(t.shape)} was read ({name}) while no module holding it ran, so "
+                           f"it has no data here. Read it through a module that holds it (a tied head: "
+                           f"self.head.weight = self.emb.weight), make a module around both a unit (stage3_units), "
+                           f"or register a forward hook that reads it with prepend=True. A module inside a unit called "
+                           f"outside it (block.fc(h)) has no hooks of its own: call it inside the unit, or leave "
+                           f"the unit out of stage3_units")
 
     def end_raised_forward(self):
-        """End a forward that a BaseException other than an Exception (KeyboardInterrupt)
-        stopped: Module.__call__ runs always_call hooks on an Exception only, so the modules it
-        stopped in still count as running (their groups would never be freed again) and the
-        first forward's check is still active. At zero_grad(), when no module runs (not at the
-        next forward's start: the root module may call itself). The groups a forward kept for
-        its backward are freed too: that backward did not come (the forward raised, or none ran)."""
+        """End a forward that a BaseException other than Exception (KeyboardInterrupt) stopped: always_call hooks
+        run on an Exception only, so its modules still count as running and the first forward's check is on.
+        Called at zero_grad(), when no module runs (not at the next forward: the root module may call itself).
+        The groups kept for backward are freed too: that backward did not come."""
         self._stop_reading()
         if any(self.refcount) or any(self.calls.values()):
             self.refcount = [0] * len(self.groups)
@@ -1687,9 +1570,8 @@ class ShardedParameters:
             self.reads = None
 
     def _end_forward(self):
-        """Free what no module holds: the shared groups, and groups prefetched for a module
-        this forward skipped (an evaluation that leaves out a branch) or never reached (it raised).
-        A forward that builds a graph keeps the groups backward gathers first (see _learn_order)."""
+        """Free what no module holds: the shared groups, and groups prefetched for a module this forward
+        skipped or never reached; a forward that builds a graph keeps the tail (see _learn_order)."""
         self._finish_prefetch()
         if self.gradients.in_backward:
             self._release(self.shared)
@@ -1698,12 +1580,9 @@ class ShardedParameters:
             self._release([g for g in range(len(self.groups)) if g not in kept])
 
     def _learn_order(self):
-        """The units' order, from the first forward that ran to its end; and the groups backward
-        gathers first: the last unit's, and the units before it that backward's prefetch takes.
-        A later forward that builds a graph keeps these for backward instead of freeing them and
-        gathering them again straight after (FSDP2 keeps its root's parameters so): an all-gather
-        and a check fewer a step each, and what backward holds at its start where it starts at
-        the last unit."""
+        """The units' order, from the first forward that ran to its end, and the tail: the groups backward gathers
+        first (the last unit's and those its prefetch takes), which a later forward building a graph keeps for
+        backward (as FSDP2 keeps its root's): an all-gather and a check fewer per step."""
         if self.order_known:
             return
         self.order_known, last = True, len(self.unit_order) - 1
@@ -1711,13 +1590,11 @@ class ShardedParameters:
             self.tail = {g for gids in [self.unit_order[last]] + self._ahead(last, -1) for g in gids}
 
     def _kept(self):
-        """The groups a forward keeps for backward: the tail (empty until the order is known),
-        where it builds a graph."""
+        """The groups a forward keeps for backward: the tail, where it builds a graph."""
         return self.tail if torch.is_grad_enabled() else ()
 
     def _pre_forward(self, gids, args, kwargs):
-        # counted (and the call recorded) before the gather: the post-forward hook, which runs also
-        # when the gather raises (the ranks' check), counts it down and pops it
+        # counted before the gather: the post-forward hook, which runs also when the gather raises, undoes it
         self.calls[id(gids)].append(self._watch_inputs(gids, args, kwargs))
         for g in gids:
             self.refcount[g] += 1
@@ -1731,19 +1608,14 @@ class ShardedParameters:
             self._prefetch(gids, +1)
 
     def _warn_autocast(self):
-        """torch.autocast keeps the 16-bit copy it makes of each weight it casts, in its cache
-        while it is on and saved for backward: every gathered weight's, so a rank holds the
-        whole model in 16 bits, which stage 3 exists to avoid. Said once."""
         device = self.partition.flag_device.type  # (the CPU when simulating on meta)
         dtype = torch.get_autocast_dtype(device)
         if torch.is_autocast_enabled(device) and dtype != self.dtype and \
                 (torch.is_grad_enabled() or torch.is_autocast_cache_enabled()):
             self.warned_autocast = True
-            warnings.warn(f"stage 3 under torch.autocast: autocast keeps the {dtype} copy it makes of each gathered "
-                          f"weight while it is on (its cache) and, for backward, until backward reaches it, so every "
-                          f"rank holds the whole model in {dtype} (2Ψ bytes): pass param_dtype={dtype} to "
-                          f"zero.initialize instead, which gathers the parameters in {dtype} over an fp32 master "
-                          f"(Section 3.1)")
+            warnings.warn(f"stage 3 under torch.autocast: autocast keeps its {dtype} copy of each gathered weight "
+                          f"(its cache, and for backward), so every rank holds the whole model in {dtype} (2Ψ bytes): "
+                          f"pass param_dtype={dtype} to zero.initialize instead, over an fp32 master (Section 3.1)")
 
     def _release(self, gids):
         for g in gids:
@@ -1751,8 +1623,7 @@ class ShardedParameters:
                 self._free(g)
 
     def _post_forward(self, gids, out):
-        """Returns the module's output, a copy of any of its tensors that is a view of a buffer about
-        to be freed (a positional embedding returning self.weight[:T])."""
+        """Returns the output, cloning any tensor in it that views a buffer about to be freed (self.weight[:T])."""
         held = {self.buffers[g].untyped_storage()._cdata for g in gids if self._gathered(g)}
         if any(isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in held for t in tree_flatten(out)[0]):
             out = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and
@@ -1769,16 +1640,12 @@ class ShardedParameters:
         return out
 
     def _watch_inputs(self, gids, args, kwargs):
-        """A frozen parameter has no gradient to say when backward is done with it. Backward is
-        done with a module once its inputs have their gradients (FSDP2's post-backward): autograd
-        runs the nodes a forward made before the node that made its input. For a call of a module
-        holding a frozen parameter (or one read detached), in a forward that builds a graph: this
-        call's record, [reached by backward, inputs' gradients in], with its inputs watched. A
-        call whose inputs cannot say it (none needs a gradient; a leaf, whose gradient autograd
-        takes first; a tensor inside an object pytree does not flatten) is _PINNED: it keeps its
-        groups to the end of the backward that follows this forward, and of every backward that
-        reaches it (over a retained graph: loss.backward(retain_graph=True) twice, or
-        torch.autograd.grad(loss, x, retain_graph=True) before loss.backward())."""
+        """A frozen parameter has no gradient to say when backward is done with it; its module's inputs do
+        (FSDP2's post-backward: autograd runs a forward's nodes before the node that made its input). So for a
+        call holding a frozen (or detached-read) parameter in a forward that builds a graph: a record [reached by
+        backward, inputs' gradients in], its inputs watched. Inputs that cannot say it (none needs a gradient; a
+        leaf, whose gradient autograd takes first; a tensor inside an object) make the call _PINNED: its groups
+        are kept to the end of every backward that reaches it (a retained graph's too)."""
         if not torch.is_grad_enabled() or all(p.requires_grad and g not in self.detached
                                               for g in gids for p in self.groups[g]):
             return None
@@ -1794,10 +1661,9 @@ class ShardedParameters:
         return call
 
     def _inputs_done(self, gids, call, grads):
-        """The call's inputs have their gradients. Not counted in a backward that no hook of
-        zero's has begun (torch.autograd.grad of a penalty on a module's input, reaching no
-        module): no end of backward would clear its mark, and the next backward over the
-        retained graph would take the call as done before it reached the call."""
+        """The call's inputs have their gradients. Not counted in a backward no hook of zero's began (a penalty's
+        torch.autograd.grad on an input): no end of backward would clear the mark, and the next backward over the
+        retained graph would take the call as done before reaching it."""
         if call[1] or not self.gradients.in_backward:
             return
         call[1] = True  # (before it was reached: the module passed an input through as an output)
@@ -1813,13 +1679,10 @@ class ShardedParameters:
         hidden = [type(t).__name__ for t in leaves if _holds_tensors(t)]
         if hidden:
             raise TypeError(f"stage 3: {self.names[gids[0]]} returned an instance of {hidden[0]}, which "
-                            f"torch.utils._pytree does not flatten, so its tensors cannot say when backward "
-                            f"reaches the module to gather its parameters again: return a tuple, dict or "
-                            f"NamedTuple, or register the type (torch.utils._pytree.register_dataclass or "
-                            f"register_pytree_node)")
-        # A leaf (a tensor given to the module and returned as it is, e.g. a soft prompt) was not
-        # computed by the module: backward reaching it computes nothing of the module, and a hook
-        # on it would stay on the tensor for every later step, one more per forward.
+                            f"torch.utils._pytree does not flatten, so backward cannot say when it reaches the "
+                            f"module: return a tuple, dict or NamedTuple, or register the type (register_dataclass)")
+        # not a leaf (an input returned as it is): backward reaching it computes nothing of the module, and a
+        # hook on it would stay on the tensor for every later step, one more per forward
         for t in leaves:
             if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
                 _when_backward_reaches(t, lambda: self._pre_backward(gids, call))
@@ -1827,8 +1690,7 @@ class ShardedParameters:
     def _pre_backward(self, gids, call):
         if torch.is_grad_enabled():  # (the engine enables it only for create_graph=True)
             raise RuntimeError("stage 3 frees the gathered parameters when backward ends, so a backward with "
-                               "create_graph=True (torch.autograd.grad for a gradient penalty, a Hessian-vector "
-                               "product) would leave a graph that reads freed parameters: use stage 2")
+                               "create_graph=True would leave a graph that reads freed parameters: use stage 2")
         if not self.gradients.in_backward:  # does it accumulate gradients (not autograd.grad(loss, x))?
             trainable = itertools.islice(self.partition.params, self.gradients.n_trainable)  # (any() stops early)
             self.gradients.begin(any(torch._C._will_engine_execute_node(get_gradient_edge(p).node)
@@ -1848,22 +1710,20 @@ class ShardedParameters:
         g = self.group_of[p]
         if not self._gathered(g):  # so it was read as its NaN stand-in
             raise RuntimeError(f"stage 3: a parameter of {self.names[g]} got a gradient while {self.names[g]} was "
-                               f"neither running nor gathered for backward, so the forward read it as NaN (e.g. "
-                               f"a parent reading a child's weight without calling the child): make the module "
-                               f"that reads it a unit (zero.initialize(..., stage3_units=[...]))")
+                               f"neither running nor gathered, so forward read it as NaN (a parent reading a "
+                               f"child's weight without calling the child): make the module that reads it a unit "
+                               f"(stage3_units=[...])")
         self._grads_left()[g] -= 1
         self._free_in_backward(g)
 
     def _grads_left(self):
-        """Per group, the gradients still to come in this backward: its trainable parameters,
-        counted at the first use in a backward (requires_grad as the forward saw it)."""
+        """Per group, the gradients still to come in this backward (requires_grad as at its first use)."""
         if self.grads_left is None:
             self.grads_left = [sum(p.requires_grad for p in members) for members in self.groups]
         return self.grads_left
 
     def _free_in_backward(self, g):
-        """Backward is done with group g once every trainable parameter in it has its gradient
-        and every call of it with a frozen parameter has its inputs' gradients."""
+        """Done with g: all its gradients in, and the inputs' gradients of every call with a frozen parameter."""
         if self._grads_left()[g] <= 0 and self.inputs_left[g] == 0 and not self.pinned[g]:
             self._free(g)
 
@@ -1890,18 +1750,15 @@ _METADATA = {"__get__", "__set__", "__hash__", "untyped_storage", "size", "numel
 
 
 def _holds_tensors(obj):
-    """A pytree leaf that is an object with tensors needing gradients in its fields (a plain
-    @dataclass, a custom class)."""
+    """A pytree leaf that is an object with tensors needing gradients in its fields (a plain @dataclass)."""
     if isinstance(obj, torch.Tensor) or not hasattr(obj, "__dict__"):
         return False
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(list(vars(obj).values()))[0])
 
 
 # -----------------------------------------------------------------------------------------
-# Buffers follow rank 0 by DDP's rule (broadcast_buffers=True): at initialize, and before every
-# forward that follows one with gradients on. So an evaluation after training sees rank 0's
-# running statistics, and statistics each rank recomputed in a no-grad forward (a BatchNorm
-# recalibration) are what the next forward uses.
+# Buffers follow rank 0 by DDP's rule (broadcast_buffers=True): at initialize, and before every forward
+# that follows one with gradients on (so a no-grad BatchNorm recalibration is what the next forward uses).
 def _broadcast_buffers(buffers, group, after_training, module, args):
     if after_training[0]:
         for b in buffers:
@@ -1911,16 +1768,13 @@ def _broadcast_buffers(buffers, group, after_training, module, args):
 
 # -----------------------------------------------------------------------------------------
 # Section 6.1 -- ZeRO-R, P_a: partitioned activation checkpointing.
-# Checkpointing keeps only each block's input and recomputes the block in backward. With
-# model parallelism that input is replicated on every MP rank; P_a keeps 1/MP of it on each
-# rank and all-gathers it just before the recomputation (one all-gather of batch x seq x
-# hidden per block). P_a+cpu moves the kept part to CPU memory. M_D (Section 6.3): the parts
-# live in one pre-allocated buffer, so these long-lived tensors do not interleave with the
-# short-lived ones in memory.
+# Checkpointing keeps only each block's input and recomputes the block in backward. Under model parallelism
+# that input is replicated on every MP rank; P_a keeps 1/MP of it per rank and all-gathers it just before the
+# recomputation (one all-gather of batch x seq x hidden per block); P_a+cpu keeps that part in CPU memory.
+# M_D (Section 6.3): the parts live in one pre-allocated buffer, apart from the short-lived tensors.
 class ActivationCheckpointing:
-    """zero.checkpoint_activations: checkpoint each of `blocks` (modules called as block(x), e.g. a
-    GPT's blocks): plain, P_a (partition=True, over tp_group), P_a+cpu (cpu=True), M_D buffers
-    (contiguous=True)."""
+    """zero.checkpoint_activations: checkpoint each of `blocks` (modules called as block(x)): plain,
+    P_a (partition=True, over tp_group), P_a+cpu (cpu=True), M_D buffers (contiguous=True)."""
 
     ROW = 64  # elements: an M_D slot starts 64-element aligned (the kernels' bits depend on alignment)
 
@@ -1978,14 +1832,11 @@ class ActivationCheckpointing:
                                                pin_memory=self.cpu and part.is_cuda), True
             if fits and not self.busy[i]:
                 slot = self.arena[i, :part.numel()]
-                # .data: filling slot i must not bump the version the other slots were saved at
-                slot.data.copy_(part, non_blocking=True)
-                # slot i is free again once no graph holds it (after its backward, or when dropped)
+                slot.data.copy_(part, non_blocking=True)  # .data: keep the version the other slots were saved at
                 self.busy[i] = True
-                weakref.finalize(slot, self.busy.__setitem__, i, False)
+                weakref.finalize(slot, self.busy.__setitem__, i, False)  # free once no graph holds slot i
                 return slot
-        # P_a's own copy, so the whole input can be freed; to the CPU through pinned memory, without
-        # waiting for the copy
+        # a copy of its own, so the whole input can be freed (to the CPU: pinned, not waited for)
         kept = torch.empty(part.shape, dtype=part.dtype, device=device, pin_memory=self.cpu and part.is_cuda)
         return kept.copy_(part, non_blocking=True)
 
@@ -2012,15 +1863,9 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
                reduction="exact", check_timeout=60, init_fn=None, device=None, tp_group=None, **optimizer_kwargs):
     """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world) and
     return (module, optimizer): the same module, sharded and hooked, and the optimizer to step.
-    Every rank starts from rank 0's weights; docs/api.md describes every argument.
-
-    optimizer_class and its keywords: a torch.optim class; param_groups: its groups, optional.
-    init_fn, device: a module built on the meta device, initialised shard by shard.
-    bucket_numel: C_B (default: default_bucket_numel(Nd)); reduction: "exact" or "native".
-    param_dtype, reduce_dtype, loss_scale: 16-bit compute over an fp32 master (Section 3.1).
-    stage3_units, prefetch, check_timeout: what stage 3 gathers together, how far ahead, and how
-        long a rank waits at a gather. tp_group: Megatron's tensor-parallel group (gpt.py).
-    """
+    Every rank starts from rank 0's weights. docs/api.md describes every argument; in brief:
+    bucket_numel is C_B, param_dtype/reduce_dtype/loss_scale 16-bit compute over an fp32 master
+    (Section 3.1), init_fn/device a meta-built module, tp_group Megatron's group (gpt.py)."""
     param_groups = _groups(param_groups)
     _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
            loss_scale, prefetch, reduction, init_fn, device, tp_group, optimizer_kwargs)
@@ -2041,8 +1886,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     bucket_numel = bucket_numel or default_bucket_numel(dist.get_world_size(group))
     partition = FlatPartition(params, [(run, t) for run, t in runs if run], group, bucket_numel, reduction,
                               torch.device(device))
-    start = MetaInit(module, partition, init_fn).values if params[0].is_meta \
-        else partition.rank0_values
+    start = MetaInit(module, partition, init_fn).values if params[0].is_meta else partition.rank0_values
     if stage < 3:
         parameters = FlatParameters(partition, module, precision.param_dtype, gather_after_step=stage > 0)
     else:
@@ -2075,9 +1919,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
 
 
 def _groups(param_groups):
-    """param_groups in any form torch.optim takes (a group's "params" a tensor or any iterable of
-    tensors or of (name, tensor) pairs, as named_parameters() gives; or the parameters alone, one
-    group) as [{"params": [tensors], **options}]."""
+    """param_groups in any form torch.optim takes (groups whose "params" is a tensor or an iterable of
+    tensors or (name, tensor) pairs; or the parameters alone) as [{"params": [tensors], **options}]."""
     if param_groups is None:
         return None
     groups = list(param_groups)
@@ -2090,12 +1933,9 @@ def _groups(param_groups):
 
 
 def _refuse_conversion(module, fn, recurse=True):
-    """Module._apply, which module.to(), .half(), .cuda(), .share_memory() and the like call: a
-    conversion would replace or move parameters that are views into zero's buffers (at stage 3,
-    of freed storage), leaving the step to update tensors the model no longer uses. It is tried
-    on a small probe of each parameter's dtype, device and rank (a memory format needs 4 or 5
-    dimensions): one that changes nothing goes through. Every parameter below is checked before
-    anything converts, so a refusal leaves all as it was."""
+    """Module._apply (.to(), .half(), .share_memory(), ...) would swap out parameters that are views into zero's
+    buffers, so the step would update tensors the model no longer uses. Tried first on a small probe per parameter
+    (dtype, device, dim: a memory format needs 4 or 5): a no-op goes through; a refusal leaves all as it was."""
     for p in module.parameters():
         probe = torch.empty((2,) * p.dim(), dtype=p.dtype, device=p.device)
         shared = probe.is_shared()  # share_memory() converts in place (a CUDA tensor is always "shared")
@@ -2107,24 +1947,19 @@ def _refuse_conversion(module, fn, recurse=True):
 
 def _refuse_deepcopy(memo):
     """copy.deepcopy(module): the copy's hooks would gather and wait for the original's parameters."""
-    raise RuntimeError("this module is sharded by zero.initialize, and a deep copy would carry zero's hooks (at stage "
-                       "3 its parameters hold no values): copy the module before zero.initialize (an EMA, "
-                       "AveragedModel(module)), then update the copy from zero.full_state_dict(model)")
+    raise RuntimeError("this module is sharded by zero.initialize, and a deep copy carries its hooks: copy the module "
+                       "before zero.initialize (an EMA, AveragedModel), then update it from zero.full_state_dict")
 
 
 def _refuse_load_state_dict(*args):
-    raise RuntimeError("this module is sharded by zero.initialize, and load_state_dict would write around the "
-                       "shards: load weights before zero.initialize (every rank starts from rank 0's), or "
-                       "restore a zero checkpoint with zero.load_checkpoint(path, model, optimizer)")
+    raise RuntimeError("this module is sharded by zero.initialize, and load_state_dict would write around the shards: "
+                       "load weights before zero.initialize, or use zero.load_checkpoint(path, model, optimizer)")
 
 
 def _refuse_registration(module, name, param):
-    """A hook on every module's register_parameter (torch's global one): a parameter zero laid out
-    registered again after zero.initialize. torch's parametrizations that keep the weight
-    (register_parametrization, orthogonal, spectral_norm) re-register it after moving its data out
-    of zero's buffers with set_(), and a tie made now would hand one module another's shard. (One
-    that makes new parameters, weight_norm's g and v, is refused by the step: ZeroOptimizer's
-    _refuse_lost_writes.)"""
+    """torch's global register_parameter hook: a parametrization (orthogonal, spectral_norm) would move a laid-out
+    weight out of zero's buffers with set_(), and a new tie would hand one module another's shard. (New parameters,
+    weight_norm's g and v, are refused by ZeroOptimizer._refuse_lost_writes.)"""
     if getattr(param, "_zero_laid_out", False) and module._parameters.get(name) is not param:
         raise RuntimeError(f"{type(param).__name__} {tuple(param.shape)} is laid out by zero.initialize, and "
                            f"registering it as {type(module).__name__}.{name} would move it out of zero's buffers "
@@ -2151,15 +1986,13 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
             raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None (got {type(g).__name__}); "
                             f"make one with dist.new_group(ranks) or a DeviceMesh")
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        # a dp group holding two ranks of one tp group would start every tp rank from dp rank 0's
-        # slice and average different slices' gradients: same shapes, so nothing else would say so
+        # dp ranks of one tp group would start from one slice and average different slices' gradients, silently
         both = sorted(set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
                       & set(dist.get_process_group_ranks(tp_group)))
         if len(both) > 1:
             raise ValueError(f"group ({'the world, by default' if group is None else 'the data-parallel group'}) and "
                              f"tp_group share ranks {both}, which hold different tensor-parallel slices: pass the "
-                             f"data-parallel group of a (dp, tp) mesh, dp_group, tp_group = gpt.make_mesh(dp, tp); "
-                             f"zero.initialize(..., group=dp_group, tp_group=tp_group)")
+                             f"groups of a (dp, tp) mesh: dp_group, tp_group = gpt.make_mesh(dp, tp)")
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module (got {type(module).__name__})")
     if any(getattr(m.__dict__.get("_apply"), "func", None) is _refuse_conversion for m in module.modules()):
@@ -2167,13 +2000,11 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
                          "the model and optimizer it returned, or build a fresh module")
     if isinstance(optimizer_class, torch.optim.Optimizer):
         raise TypeError(f"pass the optimizer class, not an instance: zero.initialize(module, "
-                        f"torch.optim.{type(optimizer_class).__name__}, stage=..., lr=...) and its "
-                        f"arguments as keywords")
+                        f"torch.optim.{type(optimizer_class).__name__}, stage=..., lr=...), its arguments as keywords")
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE_OPTIMIZERS)):
         names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
         raise ValueError(f"{getattr(optimizer_class, '__name__', optimizer_class)} cannot be sharded exactly: "
-                         f"ZeRO splits the update across ranks, which is exact only for elementwise "
-                         f"optimizers ({names})")
+                         f"ZeRO splits the update across ranks, exact only for elementwise optimizers ({names})")
     if optimizer_kwargs.get("fused") or any(g.get("fused") for g in param_groups or ()):
         raise ValueError("fused=True optimizers are not layout invariant (a shard updates to other bits "
                          "than the whole tensor): use fused=False, or foreach=True for speed")
@@ -2191,8 +2022,7 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
                          f"whole module on meta (with torch.device('meta'): ...) and pass init_fn, or none of it")
     if on_meta and init_fn is None:
         raise ValueError("the module is on the meta device: pass init_fn, a function that fills one submodule's "
-                         "own parameters in place once zero has materialised them, e.g. init_fn=lambda m: "
-                         "m.reset_parameters(), or gpt.py's init_fn=model.init_weights")
+                         "own parameters in place, e.g. init_fn=lambda m: m.reset_parameters()")
     if init_fn is not None and not on_meta:
         raise ValueError(f"init_fn initialises a module built on the meta device, but this one is on "
                          f"{params[0].device} and already initialised: drop init_fn")
@@ -2205,29 +2035,27 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
                              f"already: {fix}, or drop device")
     for name, p in module.named_parameters():
         if getattr(p, "_zero_laid_out", False):  # a Parameter another model shares (a module is caught above)
-            raise ValueError(f"parameter {name} is laid out already by zero.initialize of another module, whose "
-                             f"buffers and optimizer hold it: models that share a parameter must be one module "
-                             f"given to zero.initialize once (an nn.ModuleDict of both), or each needs its own copy")
+            raise ValueError(f"parameter {name} is laid out already by zero.initialize of another module: give models "
+                             f"that share a parameter as one module (an nn.ModuleDict of both), or each its own copy")
         if not p.is_floating_point():
             raise TypeError(f"parameter {name} has dtype {p.dtype}: ZeRO shards floating-point parameters "
                             f"only; register it as a buffer instead")
         if p.dtype != params[0].dtype or p.device != params[0].device:
-            raise ValueError(f"parameter {name} is {p.dtype} on {p.device} but others are {params[0].dtype} "
-                             f"on {params[0].device}: move the module to one dtype and device first "
-                             f"(for mixed precision keep it fp32 and pass param_dtype)")
+            raise ValueError(f"parameter {name} is {p.dtype} on {p.device} but others are {params[0].dtype} on "
+                             f"{params[0].device}: move the module to one dtype and device (fp32; pass param_dtype)")
     for name, m in module.named_modules():
         if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None and (
                 stage > 0 or param_dtype in (torch.bfloat16, torch.float16)):
-            where = "at stage 3 into a gathered copy, freed after the forward" if stage == 3 else \
-                f"with param_dtype={param_dtype} into a 16-bit copy, which the step overwrites from the fp32 master" \
-                if param_dtype in (torch.bfloat16, torch.float16) else \
-                f"at stage {stage} into this rank's copy of rows that other ranks own, which the all-gather after " \
-                f"step() overwrites with theirs (each rank renormalises the rows of its own batch)"
+            if stage == 3:
+                where = "at stage 3 into a gathered copy, freed after the forward"
+            elif param_dtype in (torch.bfloat16, torch.float16):
+                where = f"with param_dtype={param_dtype} into a 16-bit copy the step overwrites from the fp32 master"
+            else:
+                where = f"at stage {stage} into rows other ranks own, which the all-gather after step() overwrites"
             raise ValueError(f"{name or 'the module'} is an nn.{type(m).__name__} with max_norm={m.max_norm}, which "
-                             f"renormalises the rows it looks up by writing into its weight during forward, outside "
-                             f"the optimizer: here it would write {where}, and the renormalisation would be lost "
-                             f"without a word. Build it with max_norm=None (scale the looked-up rows out of place "
-                             f"if you need the bound), or train it in fp32 at stage 0, where each rank keeps its "
+                             f"renormalises looked-up rows by writing into its weight in forward: here it would write "
+                             f"{where}, and the renormalisation would be lost. Build it with max_norm=None (scale the "
+                             f"looked-up rows out of place), or train it in fp32 at stage 0, where each rank keeps its "
                              f"own as with DDP")
     if param_groups is not None:
         listed = [p for g in param_groups for p in g["params"]]
@@ -2237,14 +2065,12 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
         if missing:
             raise ValueError(f"param_groups leaves out trainable parameters {missing}: add them to a group")
     if not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be 0 (off) or more: how many largest units' worth of parameters stage 3 "
-                         f"gathers ahead (got {prefetch!r})")
+        raise ValueError(f"prefetch must be 0 (off) or more: largest units stage 3 gathers ahead (got {prefetch!r})")
     if bucket_numel is not None and (not isinstance(bucket_numel, int) or bucket_numel < 1):
-        raise ValueError(f"bucket_numel must be an int, at least 1 (got {bucket_numel!r}): elements per bucket, "
-                         f"e.g. bucket_numel=2**22 or int(5e8)")
+        raise ValueError(f"bucket_numel must be an int, at least 1 (got {bucket_numel!r}): elements, e.g. int(5e8)")
     if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be 'exact' (sums in a fixed order, bit-reproducible) or 'native' (the "
-                         f"backend's reduce-scatter) (got {reduction!r})")
+        raise ValueError(f"reduction must be 'exact' (bit-reproducible) or 'native' (the backend's own) "
+                         f"(got {reduction!r})")
 
 
 def _engine(module, optimizer=None):
@@ -2270,10 +2096,9 @@ def model_state_bytes(module):
 
 
 def full_state_dict(module):
-    """{name: full CPU tensor} for every parameter and buffer (floating point as fp32), the same
-    keys as module.state_dict(), identical on every rank of `group` (with a tp_group, each tp rank
-    gets its slices). A collective: call it on every rank.
-    Gathered a bucket at a time: the device holds one bucket more; the CPU holds the model."""
+    """{name: full CPU tensor} for every parameter and buffer (floating point as fp32), keyed as
+    module.state_dict(), identical on every rank of `group` (each tp rank gets its slices). A
+    collective: call it on every rank. Gathered a bucket at a time: the device holds one bucket more."""
     opt = _engine(module)
     opt.parameters.wait()
     opt._refuse_lost_writes(record=False)
@@ -2310,14 +2135,12 @@ def full_optimizer_state(module):
 
 
 # -----------------------------------------------------------------------------------------
-# Checkpoints: each rank saves what it holds. For every bucket, rank r owns chunk r (Section
-# 5's partition); a rank's chunks end to end are its shard. Each rank writes its shard of the
-# weights (the fp32 master where there is one, else the parameters) and of each elementwise
-# optimizer state, one file each of raw elements, a chunk at a time; manifest.json holds the
-# layout and every file's sha256.
-# Element x of the flat space lies in bucket k's chunk (x - start_k) // chunk_k, at
-# own_k + (x - start_k) % chunk_k of that rank's shard: so a checkpoint loads at any Nd, stage
-# or bucket size, each rank reading (memory-mapped) only the ranges it now owns.
+# Checkpoints: each rank saves what it holds. Rank r owns chunk r of every bucket (Section 5);
+# its chunks end to end are its shard. A rank writes, a chunk at a time, one raw file for its
+# shard of the weights (the fp32 master where there is one) and one per elementwise optimizer
+# state; manifest.json holds the layout and each file's sha256. Flat element x lies in bucket
+# k's chunk (x - start_k) // chunk_k, at own_k + (x - start_k) % chunk_k of that rank's shard:
+# a checkpoint loads at any Nd, stage or bucket size, each rank memory-mapping what it owns.
 FORMAT = 3  # (format 2, whose shard files were torch.save'd tensors, still loads)
 
 
@@ -2326,11 +2149,9 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(path, model, optimizer, **extra):
-    """Save into the new directory `path`, on every rank (a collective). Files go to
-    path.partial and are renamed to `path` only once every rank's are complete and the manifest
-    is written: a crash mid-save leaves no directory that looks like a checkpoint. extra: this
-    rank's own values (e.g. the step, its data generator's state), given back by load_checkpoint.
-    Holds the rank's own state plus one bucket's chunk at a time."""
+    """Save into the new directory `path` on every rank (a collective), one bucket chunk at a time. Files go to
+    path.partial, renamed to `path` once every rank's are written: a crash mid-save leaves no checkpoint.
+    extra: this rank's own values (the step, its data generator's state), returned by load_checkpoint."""
     opt, path = _engine(model, optimizer), pathlib.Path(path)
     part, group = opt.partition, opt.partition.group
     opt.parameters.wait()  # (stages 1-2: the all-gather in flight; it also checks no write raced it)
@@ -2340,9 +2161,8 @@ def save_checkpoint(path, model, optimizer, **extra):
         paths = [None] * dist.get_world_size(opt.tp_group)
         dist.all_gather_object(paths, os.path.abspath(path), group=opt.tp_group)
         if len(set(paths)) < len(paths):
-            raise ValueError(f"every tensor-parallel slice into {path}: each tp rank's slice is a checkpoint of its "
-                             f"own, saved over its dp group; give each its own directory, e.g. "
-                             f"f'{path}/tp{{tp_rank}}' with tp_rank = dist.get_rank(tp_group)")
+            raise ValueError(f"every tensor-parallel slice into {path}: each is a checkpoint of its own; give each "
+                             f"its own directory, e.g. f'{path}/tp{{tp_rank}}', tp_rank = dist.get_rank(tp_group)")
     if path.exists():
         raise FileExistsError(f"{path} exists: save each checkpoint into a new directory (e.g. step_000100)")
     _refuse_pending_gradients(opt, "save_checkpoint", "they are not saved")
@@ -2353,25 +2173,25 @@ def save_checkpoint(path, model, optimizer, **extra):
 
     _on_rank0(group, f"saving {path}", make_partial)
     files, (keys, scalars, keys_of), error = {}, opt._all_states(), None
-    buckets = range(len(part.buckets))
     try:
         for key in ["weights"] + keys:  # (shard_numel,): bucket k's chunk at own_k
             name = f"rank{part.rank}.{key}.bin"
             with open(partial / name, "wb") as f:
-                for k in buckets:
+                for k in range(len(part.buckets)):
                     _raw(opt._saved_chunk(key, k)).tofile(f)
             _seal(partial, files, name)
-        for key, value in extra.items():  # load_checkpoint reads with weights_only=True
+        for key, value in extra.items():
             _loadable(value, f"extra {key}={type(value).__name__}")
         buffers = _persistent_buffers(model)
-        files[f"rank{part.rank}.rest.pt"] = {"rng": torch.get_rng_state(), "extra": extra, "buffers": buffers,
-                                             "persistent": list(buffers)}
+        rest = f"rank{part.rank}.rest.pt"
+        files[rest] = {"rng": torch.get_rng_state(), "extra": extra, "buffers": buffers, "persistent": list(buffers)}
         if part.device.type == "cuda":  # the device's own generator (dropout on the GPU)
-            files[f"rank{part.rank}.rest.pt"]["cuda_rng"] = torch.cuda.get_rng_state(part.device)
-        _write(partial, files, f"rank{part.rank}.rest.pt")
+            files[rest]["cuda_rng"] = torch.cuda.get_rng_state(part.device)
+        torch.save(files[rest], partial / rest)
+        _seal(partial, files, rest)
         if part.rank == 0:  # every parameter's scalar states (AdamW's step), one file for all
-            files["scalars.pt"] = scalars
-            _write(partial, files, "scalars.pt")
+            torch.save(scalars, partial / "scalars.pt")
+            _seal(partial, files, "scalars.pt")
             manifest = _layout(opt, model)
             json.dumps(manifest)  # an option JSON cannot hold fails here, on every rank, not after the gather
     except Exception as e:  # every rank learns of it: none may wait for a rank that failed
@@ -2417,7 +2237,7 @@ def _persistent_buffers(model):
 
 
 def _loadable(value, what):
-    """Raise unless torch.load(weights_only=True) gives `value` back."""
+    """Raise unless torch.load(weights_only=True), as load_checkpoint reads, gives `value` back."""
     buffer = io.BytesIO()
     torch.save(value, buffer)
     buffer.seek(0)
@@ -2433,12 +2253,6 @@ def _raw(t):
     return t.detach().cpu().contiguous().view(torch.uint8).numpy()
 
 
-def _write(directory, files, name):
-    """torch.save files[name] into directory; files[name] becomes [its bytes, its sha256]."""
-    torch.save(files[name], directory / name)
-    _seal(directory, files, name)
-
-
 def _seal(directory, files, name):
     """files[name] = [bytes, sha256] of the file just written into directory, synced to disk."""
     with open(directory / name, "rb") as f:
@@ -2452,23 +2266,21 @@ def _layout(opt, model):
     for name, p in model.named_parameters(remove_duplicate=False):
         if name != names[p]:  # a tied weight's other names
             aliases[p].append(name)
-    return dict(
-        psi=sum(p.numel() for p in part.params),
-        params=[dict(name=names[p], shape=list(p.shape), offset=part.offsets[i], aliases=aliases[p])
-                for i, p in enumerate(part.params)],
-        buckets=[[b.start, b.numel, b.chunk, b.own] for b in part.buckets],
-        dtype=str(opt.weights_dtype).removeprefix("torch."),  # of the weights and the states
-        param_dtype=str(opt.precision.param_dtype).removeprefix("torch."),
-        optimizer=type(opt.optim).__name__,
-        param_groups=[{**{k: _as_json(v) for k, v in g.items() if k != "params"},
-                       "params": [names[p] for p in members]}
-                      for g, members in zip(opt.optim.param_groups, opt.group_members)],
-        loss_scale=opt.loss_scale, clean_steps=opt.clean_steps, tp=_tp_slice(opt))
+    return dict(psi=sum(p.numel() for p in part.params),
+                params=[dict(name=names[p], shape=list(p.shape), offset=part.offsets[i], aliases=aliases[p])
+                        for i, p in enumerate(part.params)],
+                buckets=[[b.start, b.numel, b.chunk, b.own] for b in part.buckets],
+                dtype=str(opt.weights_dtype).removeprefix("torch."),  # of the weights and the states
+                param_dtype=str(opt.precision.param_dtype).removeprefix("torch."),
+                optimizer=type(opt.optim).__name__,
+                param_groups=[{**{k: _as_json(v) for k, v in g.items() if k != "params"},
+                               "params": [names[p] for p in members]}
+                              for g, members in zip(opt.optim.param_groups, opt.group_members)],
+                loss_scale=opt.loss_scale, clean_steps=opt.clean_steps, tp=_tp_slice(opt))
 
 
 def _tp_slice(opt):
-    """[tp rank, tp size]: the tensor-parallel slice this rank holds (every slice has the same names and
-    shapes, so only this tells them apart)."""
+    """[tp rank, tp size] of this rank's slice: every slice has the same names and shapes, only this differs."""
     return [dist.get_rank(opt.tp_group), dist.get_world_size(opt.tp_group)] if opt.tp_group else [0, 1]
 
 
@@ -2494,15 +2306,14 @@ def _mismatch(opt, model, manifest):
     saved = [g["params"] for g in manifest["param_groups"]]
     live = [[opt.names[p] for p in members] for members in opt.group_members]
     if saved != live:
-        problems.append(f"other param_groups: {[len(g) for g in saved]} parameters per group saved (first "
-                        f"{[g[:1] for g in saved]}), {[len(g) for g in live]} here (first {[g[:1] for g in live]}): "
+        problems.append(f"other param_groups: saved {[len(g) for g in saved]} parameters per group (first "
+                        f"{[g[:1] for g in saved]}), here {[len(g) for g in live]} (first {[g[:1] for g in live]}): "
                         f"build the groups as they were saved")
     return problems
 
 
 def _read_own(opt, reader, key, into):
-    """Read `key` ("weights" or an optimizer state) from a checkpoint into this rank's owned
-    ranges, straight into into(f, o): the tensor over owned range (flat slice f, own slice o)."""
+    """Read `key` ("weights" or a state) into this rank's owned ranges: into(f, o), flat slice f at own slice o."""
     part, names = opt.partition, opt.names
     for (f, o), b in zip(opt.owned, part.buckets):
         dest = into(f, o)
@@ -2514,9 +2325,8 @@ def _read_own(opt, reader, key, into):
 
 
 def load_checkpoint(path, model, optimizer):
-    """Restore what save_checkpoint saved, on every rank (a collective): parameters, master
-    weights, optimizer states, loss scale, buffers, this rank's RNG state and extra (returned).
-    Any Nd, stage or bucket size; the checkpoint is checked whole before anything is written."""
+    """Restore, on every rank (a collective), at any Nd, stage or bucket size, what save_checkpoint saved (weights,
+    optimizer states, loss scale, buffers, RNG state); returns extra. All is checked before anything is written."""
     opt, path = _engine(model, optimizer), pathlib.Path(path)
     _refuse_pending_gradients(opt, "load_checkpoint", "they would be added to the loaded weights' next step")
     manifest = _read_manifest(path)
@@ -2580,8 +2390,7 @@ def _keys_of(manifest, scalars, name):
 
 
 def _as_json(option):
-    """A param_group option for the manifest: a tensor (a tensor lr, betas of tensors) as its
-    value and dtype, so that it comes back a tensor."""
+    """A param_group option for the manifest: a tensor (lr, betas of tensors) as value and dtype, to load as one."""
     if torch.is_tensor(option):
         return {"tensor": option.tolist(), "dtype": str(option.dtype).removeprefix("torch.")}
     if isinstance(option, (tuple, list)):
@@ -2590,8 +2399,7 @@ def _as_json(option):
 
 
 def _as_held(live, saved):
-    """A param_group option read from the manifest in the form the live group holds it (None:
-    no live group, as in consolidate; a tuple comes back a list there, which torch accepts)."""
+    """A saved option in the live group's form (live None, in consolidate: tuples come back lists; torch takes both)."""
     if isinstance(saved, dict) and "tensor" in saved:
         device = live.device if torch.is_tensor(live) else "cpu"
         return torch.tensor(saved["tensor"], dtype=getattr(torch, saved["dtype"]), device=device)
@@ -2605,11 +2413,8 @@ def _as_held(live, saved):
 
 
 def consolidate(path, out=None):
-    """A checkpoint as plain torch state: {"model": state_dict, "optimizer": state_dict} that an
-    unsharded module and a torch.optim optimizer with the same param_groups (by default one
-    group of model.parameters()) load with load_state_dict. Tied weights appear under every
-    name; the weights are the fp32 master where there was one. Reads one tensor at a time;
-    needs no process group. `out`: also torch.save it there."""
+    """A checkpoint as plain torch {"model": state_dict, "optimizer": state_dict}: tied weights under every name, the
+    fp32 master where there was one. Reads a tensor at a time, needs no process group; `out`: also torch.save it."""
     path = pathlib.Path(path)
     manifest = _read_manifest(path)
     for name, (size, digest) in manifest["files"].items():
@@ -2618,7 +2423,7 @@ def consolidate(path, out=None):
             raise CheckpointError(f"cannot consolidate {path}: {name}: {why}")
     reader = CheckpointReader(path, manifest)
     model = {}
-    for p in manifest["params"]:
+    for p in manifest["params"]:  # a tied weight under each of its names
         weights = reader.param(p["name"], "weights")
         for name in [p["name"]] + p["aliases"]:  # a tied weight under each of its names
             model[name] = weights
@@ -2643,8 +2448,7 @@ def consolidate(path, out=None):
 
 
 class CheckpointReader:
-    """Reads ranges of the flat space out of the rank files, memory-mapped: only what is asked
-    for is read from disk."""
+    """Reads ranges of the flat space out of the rank files, memory-mapped: only what is asked for is read."""
 
     def __init__(self, path, manifest):
         self.path, self.manifest, self.files = path, manifest, {}
@@ -2653,14 +2457,13 @@ class CheckpointReader:
         self.params = {p["name"]: p for p in manifest["params"]}
 
     def _file(self, name):
-        if name in self.files:
-            return self.files[name]
-        if name.endswith(".bin"):  # raw elements in the checkpoint's dtype, mapped, not read
-            dtype = getattr(torch, self.manifest["dtype"])
-            size = (self.path / name).stat().st_size // dtype.itemsize
-            self.files[name] = torch.from_file(str(self.path / name), shared=False, size=size, dtype=dtype)
-        else:
-            self.files[name] = torch.load(self.path / name, mmap=True, weights_only=True)
+        if name not in self.files:
+            if name.endswith(".bin"):  # raw elements in the checkpoint's dtype, mapped, not read
+                dtype = getattr(torch, self.manifest["dtype"])
+                size = (self.path / name).stat().st_size // dtype.itemsize
+                self.files[name] = torch.from_file(str(self.path / name), shared=False, size=size, dtype=dtype)
+            else:
+                self.files[name] = torch.load(self.path / name, mmap=True, weights_only=True)
         return self.files[name]
 
     def read(self, key, x, n, out):
