@@ -7,6 +7,7 @@ with no process group at all. Every rank draws the same full tensors from the sa
 the reference (nn.Linear, nn.Embedding, F.cross_entropy, the tp=1 GPT) is computed on every rank
 and each rank checks its own slice.
 """
+import copy
 import gc
 import math
 
@@ -291,6 +292,34 @@ def test_zero_at_tp_clips_by_the_whole_models_norm(world, stage, norm_type):
     for name, value in replicated0.items():
         assert torch.equal(value, replicated1[name]), f"{name} differs between the tp ranks after 3 clipped steps"
 
+
+
+def _replicated_model_at_tp_clips_by_its_norm_once(tp, norm_type):
+    dp_group, tp_group = make_mesh(dp=1, tp=tp)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    model, opt = zero.initialize(copy.deepcopy(ref), torch.optim.SGD, stage=1, group=dp_group, tp_group=tp_group, lr=0.1)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    ref(x).square().sum().backward()
+    model(x).square().sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, norm_type)
+    return opt.clip_grad_norm_(0.1, norm_type), expected
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf, -math.inf], ids=["l2", "inf", "-inf"])
+def test_a_tp_rank_with_no_split_parameter_adds_nothing_to_the_norm(world, norm_type):
+    """No parameter is split, so every one is counted on tp rank 0 alone: tp rank 1 adds the
+    reduction's identity (0, or +inf for the -inf-norm's minimum), and the total is torch's
+    norm of the one model. The largest and smallest norm are taken exactly (torch.equal); the
+    2-norm is (sum of squares) ** 0.5 across tp ranks, where torch takes vector_norm of the
+    norms: other arithmetic, so within 1 ulp of fp32 (rtol 1.2e-7)."""
+    for rank, (total, expected) in enumerate(_on_ranks(world, 2, _replicated_model_at_tp_clips_by_its_norm_once,
+                                                       norm_type)):
+        print(f"tp rank {rank}: norm {total.item():.9g}, torch's {expected.item():.9g}")
+        if norm_type == 2.0:
+            torch.testing.assert_close(total, expected, rtol=1.2e-7, atol=0)
+        else:
+            assert torch.equal(total, expected), (rank, total, expected)
 
 
 def _fp16_overflow_on_one_tp_rank(tp):

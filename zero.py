@@ -1573,9 +1573,7 @@ class ShardedParameters:
         """Free what no module holds: the shared groups, and groups prefetched for a module this forward
         skipped or never reached; a forward that builds a graph keeps the tail (see _learn_order)."""
         self._finish_prefetch()
-        if self.gradients.in_backward:
-            self._release(self.shared)
-        else:
+        if not self.gradients.in_backward:  # recomputed in backward (P_a): backward frees what its modules held
             kept = self._kept()
             self._release([g for g in range(len(self.groups)) if g not in kept])
 
