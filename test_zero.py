@@ -2239,6 +2239,7 @@ def on_rank_torch_idioms(stage):
     calls = []  # step hooks on zero's optimizer run once around its step(), as on a torch.optim one
     opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o is opt)))
     opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o is opt)))
+    opt.clip_grad_value_(1e-3)  # before any backward: nothing to clip, as with torch (the backward may follow)
     loss_of(model, 0).backward()
     opt.step()
     if calls != [("pre", True), ("post", True)]:
