@@ -2322,6 +2322,18 @@ def _read_own(opt, reader, key, into):
                 reader.read(key, at, hi - lo, dest[lo - f.start:hi - f.start])
 
 
+def _read_piece(opt, reader, key, piece, out):
+    """Read state `key` of one piece into out (the piece's length), segment by segment of its parameter."""
+    part, i = opt.partition, piece.index
+    saved_at = reader.params[opt.names[part.params[i]]]["offset"] - part.offsets[i]  # flat here -> flat saved
+    for k, lo, hi in part.segments_of[i]:
+        f, o = opt.owned[k]
+        lo, hi = max(lo, f.start), min(hi, f.stop)
+        at = o.start + lo - f.start - piece.own.start  # where flat lo lies in the piece
+        if lo < hi and 0 <= at < len(out):
+            reader.read(key, saved_at + lo, hi - lo, out[at:at + hi - lo])
+
+
 def load_checkpoint(path, model, optimizer):
     """Restore, on every rank (a collective), at any Nd, stage or bucket size, what save_checkpoint saved (weights,
     optimizer states, loss scale, buffers, RNG state); returns extra. All is checked before anything is written."""
@@ -2359,12 +2371,11 @@ def load_checkpoint(path, model, optimizer):
     opt.parameters.wait()
     opt._written_since_step()  # writes before the load are overwritten by it, as they should be
     opt.optim.state.clear()
-    for key in manifest["state_keys"]:  # each state one own-space tensor; the pieces' states are views of it
-        own = torch.zeros(opt.own_numel, dtype=opt.weights_dtype, device=part.device)
-        _read_own(opt, reader, key, lambda f, o: own[o])
+    for key in manifest["state_keys"]:  # a tensor per piece that had it, as the optimizer makes them
         for piece, w in zip(opt.pieces, opt.weights):
-            if key in _keys_of(manifest, scalars, opt.names[part.params[piece.index]]):  # the parameters that had it
-                opt.optim.state[w][key] = own[piece.own]
+            if key in _keys_of(manifest, scalars, opt.names[part.params[piece.index]]):
+                opt.optim.state[w][key] = torch.zeros_like(w)
+                _read_piece(opt, reader, key, piece, opt.optim.state[w][key])
     for piece, w in zip(opt.pieces, opt.weights):
         for key, value in scalars.get(opt.names[part.params[piece.index]], {}).items():
             opt.optim.state[w][key] = value.clone() if torch.is_tensor(value) else value
