@@ -2445,3 +2445,42 @@ def on_rank_outside_the_group():
 @pytest.mark.xdist_group("world2")
 def test_a_rank_outside_the_group_is_told_so(world):
     assert world(2).run(on_rank_outside_the_group) == [[], []]
+
+
+class WithEmptyParameters(nn.Module):
+    """A parameter of zero size on the root (a group with nothing to gather at stage 3) and an
+    embedding of zero rows in a child, beside a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.empty = nn.Linear(4, 4), nn.Embedding(0, 4)
+        self.z = nn.Parameter(torch.zeros(0, 4))
+
+    def forward(self, x):
+        return self.lin(x).square().sum() + self.z.sum() + self.empty(torch.zeros(0, dtype=torch.long)).sum()
+
+
+def on_rank_empty_parameters(stage):
+    torch.manual_seed(0)
+    model, opt = zero.initialize(WithEmptyParameters(), torch.optim.AdamW, stage=stage, lr=0.1)
+    losses = []
+    for step in range(2):
+        loss = model(torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank())))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, zero.full_state_dict(model)
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parameters_of_zero_size_train_as_at_stage0(world, stage):
+    """Stage 3 has nothing to gather for a group of zero-size parameters: they keep a view of its
+    empty buffer, and their gradient is no sign of a read of a freed parameter. Losses and
+    weights torch.equal to stage 0's."""
+    want = world(2).run(on_rank_empty_parameters, 0)
+    for (losses, state), (want_losses, want_state) in zip(world(2).run(on_rank_empty_parameters, stage), want):
+        assert all(torch.equal(a, b) for a, b in zip(losses, want_losses)), (losses, want_losses)
+        assert all(torch.equal(state[k], want_state[k]) for k in want_state), sorted(state)
+        assert state["z"].shape == (0, 4) and state["empty.weight"].shape == (0, 4)

@@ -1377,6 +1377,8 @@ class ShardedParameters:
                 stand_in = (nan.clone() if p.numel() == 1 else nan).expand(p.shape)
                 self.stand_ins.add(stand_in.untyped_storage()._cdata)
                 views.append((p, buf[a:a + p.numel()].view(p.shape), stand_in))
+                if buf.numel() == 0:  # parameters of zero size: nothing to gather, their views serve for good
+                    p.data = views[-1][1]
             self.buffers.append(buf)
             self.views.append(views)
             self._free(len(self.buffers) - 1)
@@ -1706,7 +1708,7 @@ class ShardedParameters:
 
     def on_grad(self, p):
         g = self.group_of[p]
-        if not self._gathered(g):  # so it was read as its NaN stand-in
+        if self.buffers[g].numel() and not self._gathered(g):  # so it was read as its NaN stand-in
             raise RuntimeError(f"stage 3: a parameter of {self.names[g]} got a gradient while {self.names[g]} was "
                                f"neither running nor gathered, so forward read it as NaN (a parent reading a "
                                f"child's weight without calling the child): make the module that reads it a unit "
