@@ -1133,19 +1133,20 @@ def test_stage3_parameters_read_outside_forward_as_nan_of_their_shape(world):
         assert problems == [], problems
 
 
-def on_rank_input_gradients(stage):
+def on_rank_input_gradients(stage, wrt):
     """3 adversarial steps (FGSM): the input's gradient by torch.autograd.grad, taken after the
-    previous step() and before zero_grad(), then a step on the perturbed input. Returns the input
-    gradients, the losses, the micro-batches each step counted and the final weights."""
+    previous step() and before zero_grad(), then a step on the perturbed input; or (wrt "a
+    weight") the last Linear's weight gradient, as for logging its norm, then a step on the input.
+    Returns those gradients, the losses, the micro-batches each step counted and the final weights."""
     torch.manual_seed(0)
     model, opt = zero.initialize(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), torch.optim.SGD,
                                  stage=stage, lr=0.1)
     g, results = torch.Generator().manual_seed(dist.get_rank()), []
     for step in range(3):
         x, y = torch.randn(5, 8, generator=g, requires_grad=True), torch.randn(5, 4, generator=g)
-        gx, = torch.autograd.grad(F.mse_loss(model(x), y), x)
+        gx, = torch.autograd.grad(F.mse_loss(model(x), y), x if wrt == "input" else model[2].weight)
         opt.zero_grad()
-        loss = F.mse_loss(model((x + 0.1 * gx.sign()).detach()), y)
+        loss = F.mse_loss(model((x + 0.1 * gx.sign()).detach() if wrt == "input" else x.detach()), y)
         loss.backward()
         results.append((gx, loss.detach(), opt.gradients.micro_batches))
         opt.step()
@@ -1153,13 +1154,15 @@ def on_rank_input_gradients(stage):
 
 
 @pytest.mark.xdist_group("world2b")
-def test_stage3_input_gradient_is_no_micro_batch(world):
+@pytest.mark.parametrize("wrt", ["input", "a weight"])
+def test_stage3_autograd_grad_is_no_micro_batch(world, wrt):
     """Stage 3 gathers the weights for any backward that reaches a module, but a backward that
-    accumulates no parameter's gradient (autograd.grad for the input) reduces nothing and counts
-    no micro-batch, as with DDP: after step() it needs no zero_grad(), and each step counts 1.
-    Input gradients, losses and weights: stage 0's bits."""
-    want = world(2).run(on_rank_input_gradients, 0)
-    for (got, got_state), (ref, ref_state) in zip(world(2).run(on_rank_input_gradients, 3), want):
+    accumulates no parameter's gradient (autograd.grad, for the input or for a weight, which
+    torch refuses to say it will run) reduces nothing and counts no micro-batch, as with DDP:
+    after step() it needs no zero_grad(), and each step counts 1. Those gradients, losses and
+    weights: stage 0's bits."""
+    want = world(2).run(on_rank_input_gradients, 0, wrt)
+    for (got, got_state), (ref, ref_state) in zip(world(2).run(on_rank_input_gradients, 3, wrt), want):
         print("micro-batches per step", [m for _, _, m in got], "losses", [loss.item() for _, loss, _ in got])
         assert [m for _, _, m in got] == [1, 1, 1]
         assert all(torch.equal(a, b) and torch.equal(la, lb) for (a, la, _), (b, lb, _) in zip(got, ref))

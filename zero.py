@@ -1692,9 +1692,7 @@ class ShardedParameters:
             raise RuntimeError("stage 3 frees the gathered parameters when backward ends, so a backward with "
                                "create_graph=True would leave a graph that reads freed parameters: use stage 2")
         if not self.gradients.in_backward:  # does it accumulate gradients (not autograd.grad(loss, x))?
-            trainable = itertools.islice(self.partition.params, self.gradients.n_trainable)  # (any() stops early)
-            self.gradients.begin(any(torch._C._will_engine_execute_node(get_gradient_edge(p).node)
-                                     for p in trainable if p.requires_grad))
+            self.gradients.begin(self._accumulates())
         self._gather(gids)
         if call is _PINNED:  # kept to the end of each backward that reaches it (see _watch_inputs)
             for g in gids:
@@ -1705,6 +1703,18 @@ class ShardedParameters:
             for g in gids:
                 self.inputs_left[g] += 1
         self._prefetch(gids, -1)
+
+    def _accumulates(self):
+        """Whether the backward running accumulates any trainable parameter's gradient. torch.autograd.grad
+        never does, and torch refuses the question for a parameter passed to it as an input."""
+        trainable = itertools.islice(self.partition.params, self.gradients.n_trainable)  # (any() stops early)
+        try:
+            return any(torch._C._will_engine_execute_node(get_gradient_edge(p).node) for p in trainable
+                       if p.requires_grad)
+        except RuntimeError as e:
+            if "running autograd.grad()" not in str(e):
+                raise
+            return False
 
     def on_grad(self, p):
         g = self.group_of[p]
