@@ -636,3 +636,25 @@ def test_stage3_under_autocast_warns_of_its_16_bit_copies(world, param_dtype, st
             assert kept[True] >= weights_bf16 > kept[False], kept
         else:
             assert not messages, messages
+
+
+def on_rank_fp16_gan_step(freeze):
+    torch.manual_seed(0)
+    G, opt_g = zero.initialize(torch.nn.Linear(4, 6), torch.optim.Adam, stage=1, param_dtype=torch.float16, lr=1e-2)
+    D, opt_d = zero.initialize(torch.nn.Linear(6, 1), torch.optim.Adam, stage=1, param_dtype=torch.float16, lr=1e-2)
+    D.requires_grad_(not freeze)
+    try:
+        opt_g.backward(D(G(torch.randn(3, 4).half())).float().mean())  # the generator's loss, through D
+    except RuntimeError as e:
+        return str(e)
+    return opt_g.step()
+
+
+@pytest.mark.xdist_group("world2")
+def test_another_fp16_models_backward_through_this_one_names_the_freeze(world):
+    """D's gradients from G's optimizer.backward(loss) would carry G's loss scale, not D's: D
+    raises, naming the fix (freeze D for G's step), and with D frozen G's step goes on."""
+    for error in world(2).run(on_rank_fp16_gan_step, False):
+        assert "another model's optimizer.backward(loss) reaching Linear's parameters" in error \
+            and "requires_grad_(False)" in error, error
+    assert world(2).run(on_rank_fp16_gan_step, True) == [True, True]

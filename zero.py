@@ -1018,7 +1018,10 @@ class GradientBuckets:
         """Post-accumulate-grad hook: p's gradient for this backward is complete."""
         self.begin()
         if self.require_scaled_backward and not self.scaled_backward:  # (autograd.grad(loss, x) is fine)
-            raise RuntimeError("with fp16 loss scaling, call optimizer.backward(loss) instead of loss.backward()")
+            raise RuntimeError(f"with fp16 loss scaling, call optimizer.backward(loss) instead of loss.backward(); "
+                               f"where it is another model's optimizer.backward(loss) reaching {self.name}'s "
+                               f"parameters (a GAN's generator loss through its discriminator), freeze {self.name} "
+                               f"for it (requires_grad_(False)): its gradients would carry the other loss scale")
         part, i = self.partition, self.partition.index[p]
         if self.used[i]:  # its bucket may be reduced already: the second part would be lost
             raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient twice in one backward: a "
