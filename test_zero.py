@@ -2487,3 +2487,29 @@ def test_parameters_of_zero_size_train_as_at_stage0(world, stage):
         assert all(torch.equal(a, b) for a, b in zip(losses, want_losses)), (losses, want_losses)
         assert all(torch.equal(state[k], want_state[k]) for k in want_state), sorted(state)
         assert state["z"].shape == (0, 4) and state["empty.weight"].shape == (0, 4)
+
+
+def on_rank_initialize_disagreeing(case):
+    rank = dist.get_rank()
+    kwargs = {"stage": 3 if rank == 0 else 0} if case == "stage" else {"stage": 1}
+    if case == "bucket_numel":
+        kwargs["bucket_numel"] = 64 * (rank + 1)
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 3 if case == "parameters" and rank == 1 else 4), nn.Linear(4, 2)) \
+        if case == "parameters" else nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    try:
+        zero.initialize(module, torch.optim.SGD, lr=0.1, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("case", ["stage", "bucket_numel", "parameters"])
+def test_ranks_that_pass_initialize_different_things_are_told_which(world, case):
+    """Stages 3 and 0 on the two ranks hung (one rank in a new_group, the other in a broadcast);
+    another bucket size aborted the peer inside gloo; a parameter of another shape trained, each
+    rank to other weights. Every rank now raises at once, naming what differs."""
+    for error in world(2).run(on_rank_initialize_disagreeing, case, timeout=60):
+        print(error)
+        assert error and f"the ranks passed zero.initialize different ['{case}" in error, error

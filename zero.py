@@ -1897,6 +1897,13 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         runs = [([p for p in members if p.requires_grad == wants_grad], wants_grad)
                 for members in groups for wants_grad in (True, False)]
     bucket_numel = bucket_numel or default_bucket_numel(dist.get_world_size(group))
+    unit_names = {m: name for name, m in module.named_modules()}
+    _check_ranks_agree(group, torch.device("cpu") if params[0].is_meta else torch.device(device), {
+        "stage": stage, "bucket_numel": bucket_numel, "reduction": reduction, "param_dtype": precision.param_dtype,
+        "reduce_dtype": precision.reduce_dtype, "prefetch": prefetch,
+        "stage3_units": [unit_names.get(u) for u in stage3_units or ()],
+        "parameters (names, shapes, dtypes, requires_grad)": [
+            (name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()]})
     partition = FlatPartition(params, [(run, t) for run, t in runs if run], group, bucket_numel, reduction,
                               torch.device(device))
     start = MetaInit(module, partition, init_fn).values if params[0].is_meta else partition.rank0_values
@@ -1929,6 +1936,22 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     module.zero_grad = optimizer.zero_grad  # the gradients are zero's buffers, not p.grad
     module._zero = optimizer
     return module, optimizer
+
+
+def _check_ranks_agree(group, device, fields):
+    """Every rank must build the same model and pass the same arguments, or the ranks' collectives
+    would not match: silently wrong weights, a hang or an abort (DDP checks its parameters' shapes
+    likewise). A 56-bit hash per field, all-reduced as (max, -min): 16 bytes a field, at any Nd."""
+    hashes = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:7], "little") for v in fields.values()]
+    both = torch.tensor(hashes + [-h for h in hashes], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)  # (2 x fields,): the largest hash, minus the smallest
+    differ = [name for name, high, low in zip(fields, both[:len(hashes)].tolist(), both[len(hashes):].tolist())
+              if high != -low]
+    if differ:
+        mine = {name: fields[name] for name in differ if not name.startswith("parameters")}
+        here = f" (rank {dist.get_rank(group)}: {mine})" if mine else ""
+        raise ValueError(f"the ranks passed zero.initialize different {differ}{here}: build the same model and pass "
+                         f"the same arguments on every rank")
 
 
 def _groups(param_groups):
