@@ -2495,8 +2495,7 @@ def on_rank_initialize_disagreeing(case):
     if case == "bucket_numel":
         kwargs["bucket_numel"] = 64 * (rank + 1)
     torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(4, 3 if case == "parameters" and rank == 1 else 4), nn.Linear(4, 2)) \
-        if case == "parameters" else nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    module = nn.Sequential(nn.Linear(4, 3 if case == "parameters" and rank == 1 else 4), nn.Linear(4, 2))
     try:
         zero.initialize(module, torch.optim.SGD, lr=0.1, **kwargs)
     except ValueError as e:
