@@ -2506,9 +2506,9 @@ def on_rank_initialize_disagreeing(case):
 @pytest.mark.xdist_group("world2")
 @pytest.mark.parametrize("case", ["stage", "bucket_numel", "parameters"])
 def test_ranks_that_pass_initialize_different_things_are_told_which(world, case):
-    """Stages 3 and 0 on the two ranks hung (one rank in a new_group, the other in a broadcast);
-    another bucket size aborted the peer inside gloo; a parameter of another shape trained, each
-    rank to other weights. Every rank now raises at once, naming what differs."""
+    """Unchecked, stages 3 and 0 on the two ranks would hang (one rank in a new_group, the other in
+    a broadcast), another bucket size would abort the peer inside gloo, and a parameter of another
+    shape would train each rank to other weights. Every rank raises at once, naming what differs."""
     for error in world(2).run(on_rank_initialize_disagreeing, case, timeout=60):
         print(error)
         assert error and f"the ranks passed zero.initialize different ['{case}" in error, error
