@@ -641,7 +641,7 @@ def test_stage3_under_autocast_warns_of_its_16_bit_copies(world, param_dtype, st
 def on_rank_fp16_gan_step(freeze):
     torch.manual_seed(0)
     G, opt_g = zero.initialize(torch.nn.Linear(4, 6), torch.optim.Adam, stage=1, param_dtype=torch.float16, lr=1e-2)
-    D, opt_d = zero.initialize(torch.nn.Linear(6, 1), torch.optim.Adam, stage=1, param_dtype=torch.float16, lr=1e-2)
+    D, _ = zero.initialize(torch.nn.Linear(6, 1), torch.optim.Adam, stage=1, param_dtype=torch.float16, lr=1e-2)
     D.requires_grad_(not freeze)
     try:
         opt_g.backward(D(G(torch.randn(3, 4).half())).float().mean())  # the generator's loss, through D

@@ -2080,18 +2080,28 @@ class InPlace(nn.Module):
         return torch.relu_(self.head(h))
 
 
-def on_rank_in_place_outputs(stage, prefetch):
-    torch.manual_seed(0)
-    model, opt = zero.initialize(InPlace(), torch.optim.AdamW, stage=stage, bucket_numel=64, prefetch=prefetch, lr=0.01)
+def losses_and_weights(model, opt, loss_of, steps):
+    """`steps` times loss_of(step).backward(), step() and zero_grad(): the losses, and the weights after."""
     losses = []
-    for step in range(3):
-        idx = torch.randint(0, 11, (4, 3), generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
-        loss = model(idx).pow(2).mean()
+    for step in range(steps):
+        loss = loss_of(step)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
     return losses, zero.full_state_dict(model)
+
+
+def rank_generator(step):
+    """A generator seeded by the step and this rank: each rank draws its own batch."""
+    return torch.Generator().manual_seed(10 * step + dist.get_rank())
+
+
+def on_rank_in_place_outputs(stage, prefetch):
+    torch.manual_seed(0)
+    model, opt = zero.initialize(InPlace(), torch.optim.AdamW, stage=stage, bucket_numel=64, prefetch=prefetch, lr=0.01)
+    return losses_and_weights(
+        model, opt, lambda step: model(torch.randint(0, 11, (4, 3), generator=rank_generator(step))).pow(2).mean(), 3)
 
 
 @pytest.mark.xdist_group("world2")
@@ -2466,14 +2476,7 @@ class WithEmptyParameters(nn.Module):
 def on_rank_empty_parameters(stage):
     torch.manual_seed(0)
     model, opt = zero.initialize(WithEmptyParameters(), torch.optim.AdamW, stage=stage, lr=0.1)
-    losses = []
-    for step in range(2):
-        loss = model(torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank())))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return losses, zero.full_state_dict(model)
+    return losses_and_weights(model, opt, lambda step: model(torch.randn(2, 4, generator=rank_generator(step))), 2)
 
 
 @pytest.mark.xdist_group("world2")

@@ -248,9 +248,9 @@ def on_rank_train_tied(stage, checkpointed):
 
 
 def on_rank_whole_model_checkpointed(stage):
-    (want_losses, want_state, want_held), (losses, state, held) = [on_rank_train_tied(s, c) for s, c in
-                                                                   ((0, False), (stage, True))]
-    _, _, plain_held = on_rank_train_tied(stage, False)
+    want_losses, want_state, _ = on_rank_train_tied(0, checkpointed=False)
+    losses, state, held = on_rank_train_tied(stage, checkpointed=True)
+    _, _, plain_held = on_rank_train_tied(stage, checkpointed=False)
     bad = [f"loss {i}" for i, (a, b) in enumerate(zip(losses, want_losses)) if not torch.equal(a, b)]
     bad += [name for name in want_state if not torch.equal(state[name], want_state[name])]
     return bad, held, plain_held
