@@ -172,7 +172,11 @@ def test_simulated_7_5b_at_nd_64_matches_the_formula_within_1_percent():
     Section 5 with K = 12: P_os 2Ψ + 2Ψ + 12Ψ/Nd, P_os+g 2Ψ + 14Ψ/Nd, P_os+g+p 16Ψ/Nd. What clipping
     and the step hold at once in temporaries: on rank 0, the first parameter's norm rank, the largest
     parameter's gradient whole in fp32 (the token embedding) and at most two buckets more; on rank
-    63 less than the fp32 copy of its gradient shard (4Ψ/Nd), which the step never makes whole."""
+    63 less than the fp32 copy of its gradient shard (4Ψ/Nd), which the step never makes whole.
+    Elements each sends, Section 7: 2 x (Nd-1)/Nd Ψ at stages 1-2, 3 x (Nd-1)/Nd Ψ at stage 3 less
+    what the forward keeps for backward (the tied embedding, the last module, and what backward's
+    prefetch takes before it within the embedding's elements: ln_f and one block, not two),
+    plus clipping's at most Ψ/Nd."""
     out = subprocess.run([sys.executable, "memory_table.py", "--simulate", "--sizes", "7.5b", "--json"],
                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -182,9 +186,13 @@ def test_simulated_7_5b_at_nd_64_matches_the_formula_within_1_percent():
         psi, nd = r["psi"], 64
         formula = {1: 4 * psi + 12 * psi / nd, 2: 2 * psi + 14 * psi / nd, 3: 16 * psi / nd}[r["stage"]]
         assert abs(r["measured_gb"] * 1e9 / formula - 1) < 0.01, r
-    embedding = PRESETS["7.5b"].vocab_size * PRESETS["7.5b"].n_embd
+    config = PRESETS["7.5b"]
+    embedding, block = config.vocab_size * config.n_embd, 12 * config.n_embd ** 2 + 13 * config.n_embd
     for r in json.loads(out.stdout)["simulate_comm"]["rows"]:
-        print(f"stage {r['stage']} rank {r['rank']}: step's peak {r['step_peak_bytes']} bytes")
+        print(f"stage {r['stage']} rank {r['rank']}: step's peak {r['step_peak_bytes']} bytes, sent {r['sent']}")
+        psi = r["psi"]
+        section7 = 63 / 64 * (2 * psi if r["stage"] < 3 else 3 * psi - embedding - 2 * config.n_embd - block)
+        assert section7 <= r["sent"] <= section7 + psi / 64, r
         if r["rank"] == 0:
             assert 4 * embedding <= r["step_peak_bytes"] <= 4 * embedding + 8 * r["bucket_numel"], r
         else:

@@ -1191,6 +1191,36 @@ def on_rank_stage3_held_for_backward():
     return held
 
 
+def on_rank_stage3_gathered_as_each_module_starts():
+    """Gathered bytes (beyond the shard) as each Linear's forward starts, in the second step's
+    forward (the first learns the order), and after it: the first Linear a little larger than the
+    other four, as a 7.5B GPT's embedding is than a block."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(65, 64), *[m for _ in range(4) for m in (nn.ReLU(), nn.Linear(64, 64))])
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=3, lr=0.1)
+    shard, x, starts = zero.model_state_bytes(model), torch.randn(4, 65), []
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    for linear in model[::2]:
+        linear.register_forward_pre_hook(lambda m, args: starts.append(zero.model_state_bytes(model) - shard))
+    model(x)
+    return starts, zero.model_state_bytes(model) - shard
+
+
+@pytest.mark.xdist_group("world2b")
+def test_stage3_prefetches_up_to_the_budget_of_one_largest_unit(world):
+    """prefetch=1 gathers, as each unit starts, the units after it up to the largest unit's
+    elements (4224), a unit taken where at least half of it fits: one Linear of 4160 ahead, not
+    two (64 elements left would take the next whole). So each module starts with itself and the
+    next one gathered (the last, with the one before it, which the forward keeps for backward)."""
+    first, other = 4 * (65 * 64 + 64), 4 * (64 * 64 + 64)  # bytes, fp32: multiples of 16 elements, unpadded at Nd 2
+    for starts, kept in world(2).run(on_rank_stage3_gathered_as_each_module_starts):
+        print("gathered as each Linear starts:", starts, "kept after the forward:", kept)
+        assert starts == [first + other] + [2 * other] * 4
+        assert kept == 2 * other
+
+
 PATTERNS = ["two forwards, then two backwards", "a no_grad forward between forward and backward",
             "backward twice over one graph"]
 

@@ -1525,12 +1525,16 @@ class ShardedParameters:
             self._gather(ahead, prefetch=True)
 
     def _ahead(self, k, step):
-        """The units after position k of the order (step +1; before it: -1), up to `prefetch` largest units."""
+        """The units after position k of the order (step +1; before it: -1), up to `prefetch` largest units'
+        elements, rounded to the nearest unit: one is taken where at least half of it fits in what is left, so
+        a small module before a block comes with it, and the budget is passed by half a unit at most."""
         units, budget = [], self.prefetch_numel
         while budget > 0 and 0 <= k + step < len(self.unit_order):
-            k += step
+            numel = sum(self.buffers[g].numel() for g in self.unit_order[k + step])
+            if numel > 2 * budget:
+                break
+            k, budget = k + step, budget - numel
             units.append(self.unit_order[k])
-            budget -= sum(self.buffers[g].numel() for g in self.unit_order[k])
         return units
 
     def _read(self, m, t, func):
