@@ -5,7 +5,7 @@ docs/memory.md has the output and the method.
 
     python memory_table.py                      # every section but --fit
     python memory_table.py --formula --json     # Tables 1 and 2 by formula, as rows
-    python memory_table.py --simulate --sizes 1t   # zero.py itself at 7.5B / Nd 64, 128B / 256, 1T / 1024
+    python memory_table.py --simulate --sizes 1t   # zero.py itself at 1T / Nd 1024 (without --sizes: 7.5B, 128B too)
     python memory_table.py --measure --world 2 4   # real gloo ranks: model-state bytes
     python memory_table.py --fit                # the largest model per stage under a 200 MB cap (minutes)
 
@@ -20,6 +20,7 @@ import gc
 import inspect
 import json
 import math
+import os
 import queue
 import re
 import resource
@@ -847,7 +848,8 @@ SECTION_FLAGS = {  # section -> the flags only it reads
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="ZeRO's memory tables by formula, beside the paper's.")
+    parser = argparse.ArgumentParser(description="ZeRO's memory tables by formula, beside the paper's.",
+                                     allow_abbrev=False)  # (a flag is known given by its own name)
     for name in SECTIONS:
         parser.add_argument(f"--{name}", action="store_true", help=f"print the {name} section")
     parser.add_argument("--json", action="store_true", help="one JSON object of every table's rows")
@@ -866,6 +868,7 @@ def main(argv=None):
     fit.add_argument("--seq_len", type=int, default=FitSetting.seq_len)
     fit.add_argument("--bucket_numel", type=int, default=FitSetting.bucket_numel, help="C_B (default: train.py's)")
     args = parser.parse_args(argv)
+    given = {a.split("=")[0].removeprefix("--") for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
     for name in ("world", "nd", "batch_size", "seq_len", "bucket_numel"):
         values = getattr(args, name)
         for value in values if isinstance(values, list) else [values]:
@@ -884,8 +887,14 @@ def main(argv=None):
         if section in running or (section == "fit" and args.fit):
             continue
         for name in names:
-            if getattr(args, name) != parser.get_default(name):
+            if name in given:
                 parser.error(f"--{name} is a --{section} flag: add --{section}, or leave --{name} out")
+    need = max(args.world) * 20 * num_params(PRESETS[args.model])   # stage 0, fp32 AdamW: 16Ψ + the module's 4Ψ
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if "measure" in running and need > have:
+        parser.error(f"--measure --model {args.model} would hold about {need / 1e9:.0f} GB on this machine "
+                     f"({max(args.world)} rank(s) x 20Ψ bytes at stage 0), more than its {have / 1e9:.0f} GB: use "
+                     f"--simulate for the paper's sizes (meta tensors, no memory), or a smaller --model")
     chosen = [SECTIONS[name] for name in running]
     tables = {}
     for section in chosen + ([fit_section] if args.fit else []):

@@ -339,6 +339,12 @@ def test_cli_fit_alone_runs_only_the_fit_with_its_flags(monkeypatch, capsys):
     (["--fit", "--world", "2"], "--world is a --measure flag: add --measure"),
     (["--formula", "--model", "small"], "--model is a --measure flag: add --measure"),
     (["--measure", "--sizes", "1t"], "--sizes is a --simulate flag: add --simulate"),
+    # ... also where the value given is the default one, and through --name=value
+    (["--formula", "--world", "1", "2", "4"], "--world is a --measure flag: add --measure"),
+    (["--simulate", f"--budget={mt.FIT_BUDGET_MB}"], "--budget is a --fit flag: add --fit"),
+    (["--formula", "--bud", "60"], "unrecognized arguments: --bud"),   # (an abbreviation would escape the check)
+    # a preset the machine cannot hold: refused before any rank starts
+    (["--measure", "--model", "7.5b"], "use --simulate for the paper's sizes (meta tensors, no memory)"),
 ])
 def test_cli_bad_flags_say_what_to_change(monkeypatch, capsys, flags, message):
     monkeypatch.setattr(mt, "fit_section", lambda args: pytest.fail(f"{flags} ran the fit"))
