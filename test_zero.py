@@ -2152,17 +2152,24 @@ class Out:
     hidden: torch.Tensor
 
 
-class ReturnsDataclass(nn.Module):
-    def __init__(self):
+class OutDict(dict):  # a dict subclass: not the dict torch.utils._pytree flattens
+    @property
+    def hidden(self):
+        return self["hidden"]
+
+
+class ReturnsLeaf(nn.Module):
+    def __init__(self, kind):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(8, 8))  # its own: stage 3 gathers it around this forward
+        self.kind = kind
 
     def forward(self, x):
-        return Out(F.linear(x, self.weight))
+        return self.kind(hidden=F.linear(x, self.weight))
 
 
-def on_rank_unflattened_output():
-    model, opt = zero.initialize(nn.ModuleList([ReturnsDataclass()]), torch.optim.SGD, stage=3, lr=0.1)
+def on_rank_unflattened_output(kind):
+    model, opt = zero.initialize(nn.ModuleList([ReturnsLeaf(kind)]), torch.optim.SGD, stage=3, lr=0.1)
     with torch.no_grad():
         model[0](torch.randn(2, 8))  # nothing for backward to gather: fine
     try:
@@ -2172,11 +2179,57 @@ def on_rank_unflattened_output():
 
 
 @pytest.mark.xdist_group("world2")
-def test_stage3_output_it_cannot_see_into_names_the_fix(world):
-    """A plain @dataclass is one leaf to torch.utils._pytree: stage 3 could hook none of its
-    tensors to gather again in backward, which would then read freed storage: it raises instead."""
-    for message in world(2).run(on_rank_unflattened_output):
-        assert message and "returned an instance of Out" in message and "register_dataclass" in message, message
+@pytest.mark.parametrize("kind", [Out, OutDict], ids=["a dataclass", "a dict subclass"])
+def test_stage3_output_it_cannot_see_into_names_the_fix(world, kind):
+    """A plain @dataclass, or a subclass of dict, is one leaf to torch.utils._pytree: stage 3
+    could hook none of its tensors to gather again in backward, which would then read freed
+    storage (or raise a misleading error): it raises instead, naming the fix."""
+    for message in world(2).run(on_rank_unflattened_output, kind):
+        print(message)
+        assert message and f"returned an instance of {kind.__name__}" in message, message
+        assert "return a tuple, dict or NamedTuple, or register the type" in message, message
+
+class ScaledByBuffer(nn.Module):
+    """An fp32 Linear scaled by a float64 buffer (a table kept in more precision than the weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 4, dtype=torch.float64))
+
+    def forward(self, x):
+        return (self.fc(x) * self.scale).float()
+
+
+def on_rank_buffer_dtype(stage):
+    torch.manual_seed(0)
+    net = ScaledByBuffer()
+    if stage == "ddp":
+        model, opt = DDP(net), torch.optim.SGD(net.parameters(), lr=0.1)
+    else:
+        model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1)
+    losses = []
+    for step in range(3):
+        loss = model(torch.randn(3, 4, generator=rank_generator(step))).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    cast = zero.initialize(ScaledByBuffer(), torch.optim.SGD, stage=0, param_dtype=torch.bfloat16, lr=0.1)[0]
+    return net.scale.dtype, losses, cast.scale.dtype
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_buffers_keep_their_dtype_unless_param_dtype_is_given(world, stage):
+    """A float64 buffer in an fp32 model stays float64, as with DDP (losses: DDP's bits); with
+    param_dtype the model computes in it, and floating-point buffers are cast to it."""
+    want = world(2).run(on_rank_buffer_dtype, "ddp")
+    for (dtype, losses, cast), (_, want_losses, _) in zip(world(2).run(on_rank_buffer_dtype, stage), want):
+        print(dtype, [loss.item() for loss in losses], "with param_dtype:", cast)
+        assert (dtype, cast) == (torch.float64, torch.bfloat16)
+        assert all(map(torch.equal, losses, want_losses)), (losses, want_losses)
+
 
 class WithStats(nn.Module):
     """BatchNorm's running statistics, and a buffer each rank builds differently (rank 0's wins)."""
@@ -2396,8 +2449,16 @@ def on_rank_bad_inputs():
             nn.Sequential(nn.Linear(2, 2)), torch.optim.AdamW, stage=3, stage3_units=[nn.Linear(2, 2)]),
         "stage3_units holds a str that is not a module": lambda: zero.initialize(
             nn.Sequential(nn.Linear(2, 2)), torch.optim.AdamW, stage=3, stage3_units=["0"]),
-        "parameter 1.weight is torch.float64 on cpu but others are torch.float32 on cpu": lambda: zero.initialize(
+        "the parameters differ in dtype or device: 0.weight torch.float32 on cpu \\(2 like it\\), 1.weight "
+        "torch.float64 on cpu \\(2 like it\\); move the module to one dtype": lambda: zero.initialize(
             nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()), torch.optim.AdamW, stage=1),
+        # (the root's own parameter is listed first: each kind is named with its count, not the first as the rule)
+        "differ in dtype or device: a torch.bfloat16 on cpu \\(1 like it\\), 0.weight torch.float32 on cpu "
+        "\\(2 like it\\)": lambda: zero.initialize(_with_root_param(torch.bfloat16), torch.optim.AdamW, stage=1),
+        # a buffer would not be trained: the fix is to hold it real
+        "parameter a has dtype torch.complex64: .* nn.Parameter\\(torch.view_as_real\\(w\\)\\), and use "
+        "torch.view_as_complex\\(self.a\\)": lambda: zero.initialize(
+            _with_root_param(torch.complex64), torch.optim.AdamW, stage=1),
         "param_groups must hold only this module's parameters, each at most once": lambda: (lambda m: zero.initialize(
             m, torch.optim.AdamW, stage=1, param_groups=[{"params": [m.weight, m.weight, m.bias]}]))(nn.Linear(2, 2)),
         "this module was not returned by zero.initialize": lambda: zero.full_state_dict(nn.Linear(2, 2)),
@@ -2463,6 +2524,41 @@ def _a_sparse_gradient():
 def _loss_backward_with_fp16_loss_scaling():
     model, opt = zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=1, param_dtype=torch.float16)
     model(torch.ones(1, 2, dtype=torch.float16)).sum().backward()  # unscaled: fp16 gradients could underflow
+
+
+def _with_root_param(dtype):
+    m = nn.Sequential(nn.Linear(2, 2))
+    m.a = nn.Parameter(torch.zeros(2, dtype=dtype))
+    return m
+
+
+def on_rank_layout_warnings():
+    """The warnings zero.initialize gives for a channels_last convolution, a transposed parameter
+    and a contiguous model."""
+    models = {"channels_last": nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3)).to(
+        memory_format=torch.channels_last), "transposed": _with_root_param(torch.float32), "contiguous": nn.Linear(2, 2)}
+    models["transposed"].a = nn.Parameter(torch.randn(3, 2).t())
+    said = {}
+    for name, model in models.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            zero.initialize(model, torch.optim.SGD, stage=1, lr=0.1)
+        said[name] = [str(w.message) for w in caught]
+    return said
+
+
+@pytest.mark.xdist_group("world1")
+def test_initialize_warns_that_a_non_contiguous_parameter_is_laid_out_contiguous(world):
+    """zero lays every parameter out row-major in its buffer (a view of it), as FSDP and
+    DeepSpeed do; DDP keeps a channels_last or transposed weight's layout, and convolutions and
+    matmuls follow it, so the bits may differ from DDP's: zero.initialize says so."""
+    said, = world(1).run(on_rank_layout_warnings)
+    print(said)
+    assert said["contiguous"] == []
+    assert len(said["channels_last"]) == 1 and said["channels_last"][0].startswith(
+        "0.weight (2 parameter(s)) is not contiguous"), said
+    assert "pass inputs in channels_last" in said["channels_last"][0]
+    assert len(said["transposed"]) == 1 and said["transposed"][0].startswith("a (1 parameter(s))"), said
 
 
 def _with_int_param():

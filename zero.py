@@ -1687,7 +1687,8 @@ class ShardedParameters:
         if hidden:
             raise TypeError(f"stage 3: {self.names[gids[0]]} returned an instance of {hidden[0]}, which "
                             f"torch.utils._pytree does not flatten, so backward cannot say when it reaches the "
-                            f"module: return a tuple, dict or NamedTuple, or register the type (register_dataclass)")
+                            f"module: return a tuple, dict or NamedTuple, or register the type with torch.utils."
+                            f"_pytree (register_dataclass, register_pytree_node)")
         # not a leaf (an input returned as it is): backward reaching it computes nothing of the module, and a
         # hook on it would stay on the tensor for every later step, one more per forward
         for t in leaves:
@@ -1767,10 +1768,13 @@ _METADATA = {"__get__", "__set__", "__hash__", "untyped_storage", "size", "numel
 
 
 def _holds_tensors(obj):
-    """A pytree leaf that is an object with tensors needing gradients in its fields (a plain @dataclass)."""
-    if isinstance(obj, torch.Tensor) or not hasattr(obj, "__dict__"):
+    """A pytree leaf holding tensors that need gradients: in its fields (a plain @dataclass), or as the items of a
+    dict, list or tuple subclass pytree does not know (those it knows are not leaves)."""
+    if isinstance(obj, torch.Tensor):
         return False
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(list(vars(obj).values()))[0])
+    held = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+    held += list(obj.values()) if isinstance(obj, dict) else list(obj) if isinstance(obj, (list, tuple)) else []
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(held)[0])
 
 
 # -----------------------------------------------------------------------------------------
@@ -1923,9 +1927,9 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         parameters.gradients = gradients
     optimizer = ZeroOptimizer(module, partition, parameters, gradients, precision, loss_scale, start,
                               optimizer_class, param_groups, optimizer_kwargs, tp_group)
-    for b in module.buffers():  # (now that init_fn has filled a meta module's buffers in their own dtype)
+    for b in module.buffers() if param_dtype else ():  # (init_fn has filled a meta module's buffers by now)
         if b.is_floating_point():
-            b.data = b.data.to(precision.param_dtype)
+            b.data = b.data.to(param_dtype)
     buffers = list(module.buffers())
     if buffers and partition.nd > 1:
         for b in buffers:  # rank 0's from the start, as DDP's constructor does
@@ -2077,12 +2081,25 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
         if getattr(p, "_zero_laid_out", False):  # a Parameter another model shares (a module is caught above)
             raise ValueError(f"parameter {name} is laid out already by zero.initialize of another module: give models "
                              f"that share a parameter as one module (an nn.ModuleDict of both), or each its own copy")
+        if p.is_complex():
+            raise TypeError(f"parameter {name} has dtype {p.dtype}: ZeRO shards real floating-point parameters "
+                            f"only; hold it real, nn.Parameter(torch.view_as_real(w)), and use "
+                            f"torch.view_as_complex(self.{name.rsplit('.', 1)[-1]}) in forward")
         if not p.is_floating_point():
             raise TypeError(f"parameter {name} has dtype {p.dtype}: ZeRO shards floating-point parameters "
                             f"only; register it as a buffer instead")
-        if p.dtype != params[0].dtype or p.device != params[0].device:
-            raise ValueError(f"parameter {name} is {p.dtype} on {p.device} but others are {params[0].dtype} on "
-                             f"{params[0].device}: move the module to one dtype and device (fp32; pass param_dtype)")
+    kinds = collections.Counter((p.dtype, p.device) for p in params)
+    if len(kinds) > 1:
+        names = {kind: next(n for n, p in module.named_parameters() if (p.dtype, p.device) == kind) for kind in kinds}
+        raise ValueError(f"the parameters differ in dtype or device: " + ", ".join(
+            f"{n} {d} on {v} ({kinds[d, v]} like it)" for (d, v), n in names.items()) + "; move the module to "
+            f"one dtype and device (fp32; for 16-bit compute pass param_dtype)")
+    strided = [name for name, p in module.named_parameters() if not p.is_contiguous()]
+    if strided:  # a view of the flat buffer is row-major; DDP keeps the layout, and kernels follow the weight's
+        warnings.warn(f"{strided[0]} ({len(strided)} parameter(s)) is not contiguous (channels_last, a transposed "
+                      f"view): zero.initialize lays every parameter out contiguous in its buffer, as FSDP and "
+                      f"DeepSpeed do, so convolutions and matmuls compute in that layout, not DDP's, and the bits "
+                      f"may differ from DDP's; pass inputs in channels_last to compute a convolution in it")
     for name, m in module.named_modules():
         if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None and (
                 stage > 0 or param_dtype in (torch.bfloat16, torch.float16)):
