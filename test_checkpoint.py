@@ -504,6 +504,18 @@ def test_python_zero_py_consolidate_writes_what_consolidate_returns(world, tmp_p
     usage = subprocess.run([sys.executable, "zero.py", "consolidate", str(path)], capture_output=True, text=True,
                            cwd=pathlib.Path(zero.__file__).parent)
     assert usage.returncode == 1 and "usage: python zero.py consolidate CHECKPOINT_DIR OUT.pt" in usage.stderr
+    # the step directory of a tensor-parallel run holds a checkpoint per slice: the error names one, not a
+    # traceback saying the save never completed
+    (tmp_path / "step" / "tp0").mkdir(parents=True)
+    (tmp_path / "step" / "tp1").mkdir()
+    for t in (0, 1):
+        (tmp_path / "step" / f"tp{t}" / "manifest.json").write_text((path / "manifest.json").read_text())
+    tp = subprocess.run([sys.executable, "zero.py", "consolidate", str(tmp_path / "step"), str(out)],
+                        capture_output=True, text=True, cwd=pathlib.Path(zero.__file__).parent)
+    print(tp.stderr)
+    assert tp.returncode == 1 and tp.stderr == (f"python zero.py consolidate: {tmp_path / 'step'} holds the tensor-"
+                                                f"parallel slices ['tp0', 'tp1'], each a checkpoint of its own: give "
+                                                f"one, {tmp_path / 'step' / 'tp0'}\n"), tp.stderr
 
 
 def on_rank_load_another_tp_slice(path):

@@ -59,6 +59,33 @@ def test_zero_on_tp2_x_dp2_matches_ddp_bitwise(world, stage, units):
     assert world(4).run(on_rank_2d_zero_matches_ddp, stage, units) == [[]] * 4
 
 
+def on_rank_save_into_a_taken_slice(path):
+    """dp 1 x tp 2: train.save with tp rank 1's slice directory already there (a second run
+    sharing the save directory), which zero.save_checkpoint refuses before any collective."""
+    dp_group, tp_group = make_mesh(dp=1, tp=2)
+    model, opt = zero.initialize(GPT(CONFIG, tp_group, seed=0), torch.optim.AdamW, stage=1, group=dp_group,
+                                 tp_group=tp_group, lr=1e-2)
+    if dist.get_rank(tp_group) == 1:
+        os.makedirs(f"{path}/tp1")
+    dist.barrier()
+    try:
+        train.save(path, argparse.Namespace(tp=2), tp_group, model, opt, step=1)
+    except RuntimeError as e:
+        return str(e)
+
+
+@pytest.mark.xdist_group("world2")
+def test_a_slice_that_cannot_save_stops_every_tp_rank_with_its_error(world, tmp_path):
+    """One tp slice's save failing before its collectives (its directory exists) is compared
+    across the tp ranks like any other failure: both raise it, rather than the other rank
+    waiting in the comparison for a rank that left."""
+    path = tmp_path / "step_000001"
+    for message in world(2).run(on_rank_save_into_a_taken_slice, str(path)):
+        print(message)
+        assert message == f"saving {path} failed: {path}/tp1 exists: save each checkpoint into a new directory " \
+                          f"(e.g. step_000100)", message
+
+
 def run_train(tmp_path, nproc, *flags):
     out = tmp_path / "out" / f"log{nproc}{'_'.join(flags).replace('-', '')}.json"  # train.py makes out/
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -150,7 +177,10 @@ def test_train_resumed_from_a_checkpoint_gives_the_uninterrupted_losses(tmp_path
     for more, message in ((["--weight_decay", "5.0"], "belongs to a run with --weight_decay 0.1 (now 5.0)"),
                           (["--steps", "60"], "--steps 40 (now 60)"),
                           (["--seed", "1"], "--seed 1337 (now 1)"),
-                          (["--grad_clip", "0.5"], "--grad_clip 1.0 (now 0.5)")):
+                          (["--grad_clip", "0.5"], "--grad_clip 1.0 (now 0.5)"),
+                          # another model or dtype cannot load: named as the flag, not as shapes and dtypes
+                          (["--model", "tiny"], "belongs to a run with --model nano (now tiny)"),
+                          (["--dtype", "bfloat16"], "belongs to a run with --dtype float32 (now bfloat16)")):
         proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *flags, *more, "--resume",
                                str(tmp_path / "a" / "step_000020")], capture_output=True, text=True, timeout=120,
                               cwd=HERE)
@@ -158,6 +188,18 @@ def test_train_resumed_from_a_checkpoint_gives_the_uninterrupted_losses(tmp_path
     proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *flags, "--resume",
                            str(tmp_path / "a" / "step_000040")], capture_output=True, text=True, timeout=120, cwd=HERE)
     assert proc.returncode != 0 and "is the end of its run (step 40 of --steps 40)" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_resume_takes_the_same_data_file_under_another_spelling(monkeypatch):
+    """--data is compared as the file it names: ./zero.py and its absolute path are one run's,
+    another file is another run's."""
+    monkeypatch.chdir(HERE)
+    saved = dict(run=train.run_flags(train.parse_args(["--data", "zero.py"])))
+    for same in ("./zero.py", os.path.join(HERE, "zero.py")):
+        train.refuse_another_run("step_000020", saved, train.parse_args(["--data", same]))
+    with pytest.raises(SystemExit, match=r"belongs to a run with --data .*zero.py \(now .*gpt.py\)"):
+        train.refuse_another_run("step_000020", saved, train.parse_args(["--data", "gpt.py"]))
+    train.refuse_another_run("step_000020", dict(run=dict(data="zero.py")), train.parse_args(["--data", "./zero.py"]))
 
 
 def test_resumed_data_streams_are_each_ranks_own_at_any_dp():

@@ -239,6 +239,23 @@ RUN_FLAGS = ("model", "steps", "lr", "weight_decay", "batch_size", "seq_len", "g
              "seed", "data")
 
 
+def run_flags(args):
+    """The run's flags as a checkpoint keeps them: --data as the file it names, however it was spelled."""
+    return {k: os.path.realpath(args.data) if k == "data" and args.data else getattr(args, k) for k in RUN_FLAGS}
+
+
+def refuse_another_run(path, extra, args):
+    """Stop where the checkpoint belongs to a run with other flags (a checkpoint without them: not checked)."""
+    saved, now = (extra or {}).get("run", {}), run_flags(args)
+    if saved.get("data"):  # (saved as given, by an earlier train.py)
+        saved = {**saved, "data": os.path.realpath(saved["data"])}
+    changed = [f"--{k} {saved[k]} (now {now[k]})" for k in RUN_FLAGS if k in saved and saved[k] != now[k]]
+    if changed:
+        raise SystemExit(f"--resume: {path} belongs to a run with {', '.join(changed)}: resume with the run's "
+                         f"flags (its learning-rate schedule, batches and optimizer options follow from them), "
+                         f"or start a new run")
+
+
 def complete(path, tp):
     """Every tp slice's manifest written (a save cut short has none)."""
     return all((checkpoint_part(path, tp, t) / "manifest.json").is_file() for t in range(tp))
@@ -323,14 +340,10 @@ def main(argv=None):
                              f"resume from an earlier step")
         try:
             extra = zero.load_checkpoint(checkpoint_part(path, args.tp, tp_rank), model, optimizer)
-        except zero.CheckpointError as e:
+        except zero.CheckpointError as e:  # (another --model or --dtype: named as the flag it is)
+            refuse_another_run(path, e.extra, args)
             raise SystemExit(f"--resume: {e}") from None
-        changed = [f"--{k} {extra['run'][k]} (now {getattr(args, k)})" for k in RUN_FLAGS
-                   if k in extra.get("run", {}) and extra["run"][k] != getattr(args, k)]
-        if changed:
-            raise SystemExit(f"--resume: {path} belongs to a run with {', '.join(changed)}: resume with the run's "
-                             f"flags (its learning-rate schedule, batches and optimizer options follow from them), "
-                             f"or start a new run")
+        refuse_another_run(path, extra, args)
         first = extra["step"]
         if first >= args.steps:
             raise SystemExit(f"--resume: {path} is the end of its run (step {first} of --steps {args.steps}): "
@@ -402,7 +415,7 @@ def main(argv=None):
         path = checkpoint_dir(args, step)
         if path:
             save(path, args, tp_group, model, optimizer, step=step + 1, dp=dp, data=gen.get_state(),
-                 run={k: getattr(args, k) for k in RUN_FLAGS})
+                 run=run_flags(args))
             log(f"step {step:4d} | saved {path}")
 
     # a sample: every rank runs the same generation (stage 3 gathers parameters collectively,
@@ -431,7 +444,7 @@ def save(path, args, tp_group, model, optimizer, **extra):
     error = None
     try:
         zero.save_checkpoint(checkpoint_part(path, args.tp, dist.get_rank(tp_group)), model, optimizer, **extra)
-    except RuntimeError as e:
+    except Exception as e:  # (one raised before any collective too: the path exists)
         error = e
     if args.tp > 1:
         errors = [None] * args.tp

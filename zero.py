@@ -2202,7 +2202,12 @@ FORMAT = 3  # (format 2, whose shard files were torch.save'd tensors, still load
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that is damaged, incomplete or for another model."""
+    """A checkpoint that is damaged, incomplete or for another model. extra: the rank's extra it holds, where it
+    could be read (a job's own flags in it can then say which of them changed), else None."""
+
+    def __init__(self, message, extra=None):
+        super().__init__(message)
+        self.extra = extra
 
 
 def save_checkpoint(path, model, optimizer, **extra):
@@ -2404,7 +2409,7 @@ def load_checkpoint(path, model, optimizer):
                 for why in [_damage(path / name, *manifest["files"][name])] if why]
     problems += _mismatch(opt, model, manifest)
     reader = CheckpointReader(path, manifest)
-    live = _persistent_buffers(model)
+    live, rest = _persistent_buffers(model), None
     try:  # the small files are unpickled now, so one that fails does before anything is written
         rest, buffers, scalars = reader.rest(part.rank % manifest["nd"]), reader.rest(0)["buffers"], reader.scalars()
         saved = {n: list(buffers[n].shape) for n in reader.rest(0).get("persistent", buffers)}
@@ -2419,7 +2424,7 @@ def load_checkpoint(path, model, optimizer):
     dist.all_gather_object(everyone, problems, group=part.group)
     problems = sorted({p for ps in everyone for p in ps})
     if problems:
-        raise CheckpointError(f"cannot load {path}: " + "; ".join(problems))
+        raise CheckpointError(f"cannot load {path}: " + "; ".join(problems), extra=rest and rest["extra"])
     opt.parameters.wait()
     if opt.master is not None:  # the master, then the 16-bit parameters from it
         _read_own(opt, reader, "weights", lambda f, o: opt.master[o])
@@ -2559,6 +2564,10 @@ class CheckpointReader:
 
 
 def _read_manifest(path):
+    slices = sorted(f.parent.name for f in path.glob("tp*/manifest.json"))
+    if not (path / "manifest.json").is_file() and slices:
+        raise CheckpointError(f"{path} holds the tensor-parallel slices {slices}, each a checkpoint of its own: "
+                              f"give one, {path / slices[0]}")
     if not (path / "manifest.json").is_file():
         why = "it does not exist" if not path.exists() else \
             "its save did not finish (a .partial directory)" if path.name.endswith(".partial") else \
@@ -2590,5 +2599,8 @@ if __name__ == "__main__":  # python zero.py consolidate CHECKPOINT_DIR OUT.pt
     import sys
     if len(sys.argv) != 4 or sys.argv[1] != "consolidate":
         raise SystemExit("usage: python zero.py consolidate CHECKPOINT_DIR OUT.pt")
-    consolidate(sys.argv[2], sys.argv[3])
+    try:
+        consolidate(sys.argv[2], sys.argv[3])
+    except CheckpointError as e:
+        raise SystemExit(f"python zero.py consolidate: {e}") from None
     print(f"wrote {sys.argv[3]}: {{'model': state_dict, 'optimizer': state_dict}} for plain torch")
