@@ -890,8 +890,8 @@ def main(argv=None):
             if name in given:
                 parser.error(f"--{name} is a --{section} flag: add --{section}, or leave --{name} out")
     need = max(args.world) * 20 * num_params(PRESETS[args.model])   # stage 0, fp32 AdamW: 16Ψ + the module's 4Ψ
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if "measure" in running and need > have:
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")   # (the machine's memory)
+    if "measure" in running and need > have:   # else each rank ends in an allocator error, or the OOM killer
         parser.error(f"--measure --model {args.model} would hold about {need / 1e9:.0f} GB on this machine "
                      f"({max(args.world)} rank(s) x 20Ψ bytes at stage 0), more than its {have / 1e9:.0f} GB: use "
                      f"--simulate for the paper's sizes (meta tensors, no memory), or a smaller --model")

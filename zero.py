@@ -2091,7 +2091,7 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     kinds = collections.Counter((p.dtype, p.device) for p in params)
     if len(kinds) > 1:
         names = {kind: next(n for n, p in module.named_parameters() if (p.dtype, p.device) == kind) for kind in kinds}
-        raise ValueError(f"the parameters differ in dtype or device: " + ", ".join(
+        raise ValueError("the parameters differ in dtype or device: " + ", ".join(
             f"{n} {d} on {v} ({kinds[d, v]} like it)" for (d, v), n in names.items()) + "; move the module to "
             f"one dtype and device (fp32; for 16-bit compute pass param_dtype)")
     strided = [name for name, p in module.named_parameters() if not p.is_contiguous()]
@@ -2564,11 +2564,11 @@ class CheckpointReader:
 
 
 def _read_manifest(path):
-    slices = sorted(f.parent.name for f in path.glob("tp*/manifest.json"))
-    if not (path / "manifest.json").is_file() and slices:
-        raise CheckpointError(f"{path} holds the tensor-parallel slices {slices}, each a checkpoint of its own: "
-                              f"give one, {path / slices[0]}")
     if not (path / "manifest.json").is_file():
+        slices = sorted(f.parent.name for f in path.glob("tp*/manifest.json"))
+        if slices:  # (train.py's step directory at --tp 2 or more)
+            raise CheckpointError(f"{path} holds the tensor-parallel slices {slices}, each a checkpoint of its "
+                                  f"own: give one, {path / slices[0]}")
         why = "it does not exist" if not path.exists() else \
             "its save did not finish (a .partial directory)" if path.name.endswith(".partial") else \
             "it has no manifest.json, so its save never completed or it is not a zero checkpoint"
