@@ -323,19 +323,19 @@ def test_one_reduction_is_in_flight_while_backward_computes(world, stage):
         assert max(in_flight) == 1, in_flight
 
 
-def on_rank_clip(stage, norm_type, max_norm, times=1):
+def on_rank_clip(stage, norm_type, max_norm, times=1, foreach=None):
     """One backward, clip_grad_norm_ (`times` times), then SGD with lr 1 (w - g): zero against
     torch's clip_grad_norm_ under DDP, bit for bit."""
     ddp_model = make_model()
     ddp = DDP(ddp_model, find_unused_parameters=True)
     x, y = batch(0)
     F.cross_entropy(ddp(x, *usage(0, dist.get_rank(), True)).view(-1, VOCAB), y.view(-1)).backward()
-    want = torch.stack([torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm, norm_type)
+    want = torch.stack([torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm, norm_type, foreach=foreach)
                         for _ in range(times)])
     torch.optim.SGD(ddp_model.parameters(), lr=1.0).step()
     model, opt = zero.initialize(make_model(), torch.optim.SGD, stage=stage, bucket_numel=64, lr=1.0)
     F.cross_entropy(model(x, *usage(0, dist.get_rank(), True)).view(-1, VOCAB), y.view(-1)).backward()
-    got = torch.stack([opt.clip_grad_norm_(max_norm, norm_type) for _ in range(times)])
+    got = torch.stack([opt.clip_grad_norm_(max_norm, norm_type, foreach=foreach) for _ in range(times)])
     opt.step()
     clipping = bool(want[0] > max_norm)
     weights = {n: p for n, p in ddp_model.state_dict().items() if n != "seen"}
@@ -344,13 +344,17 @@ def on_rank_clip(stage, norm_type, max_norm, times=1):
 
 
 @pytest.mark.xdist_group("world2b")
-@pytest.mark.parametrize("norm_type, max_norm", [(1.0, 0.05), (float("inf"), 0.05), (2.0, 1e6), (2, torch.tensor(0.05))],
-                         ids=["l1-clipping", "inf-clipping", "l2-below-max_norm", "l2-int-tensor-max_norm"])
+@pytest.mark.parametrize("norm_type, max_norm, foreach", [
+    (1.0, 0.05, None), (float("inf"), 0.05, None), (2.0, 1e6, None), (2, torch.tensor(0.05), None),
+    (2.0, 0.05, False), (2.0, 0.05, True)],
+    ids=["l1-clipping", "inf-clipping", "l2-below-max_norm", "l2-int-tensor-max_norm", "foreach-False", "foreach-True"])
 @pytest.mark.parametrize("stage", [1, 3])
-def test_clip_grad_norm_matches_torch_for_each_norm_type_and_below_max_norm(world, stage, norm_type, max_norm):
+def test_clip_grad_norm_matches_torch_for_each_norm_type_and_below_max_norm(world, stage, norm_type, max_norm,
+                                                                            foreach):
     """Every norm type torch takes (an int too); and below max_norm the gradients stay as they are
-    (the factor min(1, max_norm / (norm + 1e-6)) is 1). A tensor max_norm is a number to torch."""
-    for clipping, problems in world(2).run(on_rank_clip, stage, norm_type, max_norm):
+    (the factor min(1, max_norm / (norm + 1e-6)) is 1). A tensor max_norm is a number to torch.
+    torch's foreach argument chooses the norm's kernel (vector_norm where False), here as there."""
+    for clipping, problems in world(2).run(on_rank_clip, stage, norm_type, max_norm, 1, foreach):
         assert clipping == (max_norm < 1) and problems == [], (clipping, problems)
 
 
@@ -362,12 +366,12 @@ def on_rank_clip_value(stage):
     x, y = batch(0)
     F.cross_entropy(ddp(x, *usage(0, dist.get_rank(), True)).view(-1, VOCAB), y.view(-1)).backward()
     largest = max(p.grad.abs().max() for p in ddp_model.parameters() if p.grad is not None).item()
-    torch.nn.utils.clip_grad_value_(ddp_model.parameters(), largest / 4)
+    torch.nn.utils.clip_grad_value_(ddp_model.parameters(), largest / 4, foreach=False)  # (torch's arguments)
     want = torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), 0.05)
     torch.optim.SGD(ddp_model.parameters(), lr=1.0).step()
     model, opt = zero.initialize(make_model(), torch.optim.SGD, stage=stage, bucket_numel=64, lr=1.0)
     F.cross_entropy(model(x, *usage(0, dist.get_rank(), True)).view(-1, VOCAB), y.view(-1)).backward()
-    opt.clip_grad_value_(largest / 4)
+    opt.clip_grad_value_(largest / 4, foreach=False)
     got = opt.clip_grad_norm_(0.05)
     opt.step()
     weights = {n: p for n, p in ddp_model.state_dict().items() if n != "seen"}

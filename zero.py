@@ -476,10 +476,10 @@ class Piece:
     own: slice  # where it lies in this rank's own space
 
 
-def _norm(grad, norm_type):
+def _norm(grad, norm_type, foreach=None):
     """A gradient's norm by the kernel clip_grad_norm_ uses on its device: torch._foreach_norm where there
-    are foreach kernels (CPU, CUDA; on CUDA its summation order may differ), else vector_norm."""
-    if _has_foreach_support([grad], grad.device):
+    are foreach kernels (CPU, CUDA; on CUDA its summation order may differ) or foreach=True, else vector_norm."""
+    if foreach or foreach is None and _has_foreach_support([grad], grad.device):
         return torch._foreach_norm([grad], norm_type)[0]
     return torch.linalg.vector_norm(grad, norm_type)
 
@@ -635,14 +635,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             clip(grad)
         return grad
 
-    def clip_grad_value_(self, clip_value):
-        """torch.nn.utils.clip_grad_value_, bit for bit: elementwise, so each rank clamps its own part."""
+    def clip_grad_value_(self, clip_value, foreach=None):
+        """torch.nn.utils.clip_grad_value_, bit for bit: elementwise, so each rank clamps its own part (with
+        either of torch's kernels, which foreach chooses between: the same bits)."""
         clip_value = float(clip_value)
         if self.gradients.micro_batches > 0:  # (no backward yet: nothing to clip)
             self._reduce()
             self.clips.append(lambda grad: grad.clamp_(-clip_value, clip_value))
 
-    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         """torch.nn.utils.clip_grad_norm_, bit for bit: every gradient times min(1, max_norm / (norm + 1e-6)).
         torch's norm sums in an order set by the tensor's length, so a split gradient goes whole to one "norm
         rank" (about Ψ/Nd elements sent a rank). With a tp_group, the whole model's norm (Megatron's rule)."""
@@ -656,11 +657,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.own_numel == self.partition.padded_numel:  # every gradient is whole here (stage 0, Nd 1)
             for i in range(self.n_trainable):
                 a = self.partition.offsets[i]
-                norms[i] = _norm(self._grad(slice(a, a + self.partition.params[i].numel())), norm_type)
+                norms[i] = _norm(self._grad(slice(a, a + self.partition.params[i].numel())), norm_type, foreach)
         else:
             wholes = {}  # parameter index -> [its whole gradient, elements filled], round by round
             for rnd in self._norm_plan():
-                self._norms_of_round(*rnd, like, norms, wholes, norm_type)
+                self._norms_of_round(*rnd, like, norms, wholes, norm_type, foreach)
             dist.all_reduce(norms, group=self.partition.group)  # (n_trainable,): each found on one rank
         with_grad = [i for i in range(self.n_trainable) if used[i]]
         norms = [norms[i] for i in with_grad]
@@ -758,7 +759,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.norm_plan.append((slices, send_splits, pieces, receive_splits, moves))
         return self.norm_plan
 
-    def _norms_of_round(self, slices, send_splits, pieces, receive_splits, moves, like, norms, wholes, norm_type):
+    def _norms_of_round(self, slices, send_splits, pieces, receive_splits, moves, like, norms, wholes, norm_type,
+                        foreach):
         part = self.partition
         send = torch.cat([self._grad(s) for s in slices]) if slices else like
         if moves:
@@ -774,7 +776,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             wholes[i][0][at:at + n] = received[x:x + n]
             wholes[i][1], x = wholes[i][1] + n, x + n
             if wholes[i][1] == part.params[i].numel():  # all of it is here; freed once its norm is taken
-                norms[i] = _norm(wholes.pop(i)[0], norm_type)
+                norms[i] = _norm(wholes.pop(i)[0], norm_type, foreach)
 
     def step(self, closure=None):
         """Update this rank's part and make the parameters whole again. Returns False when fp16
