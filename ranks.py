@@ -99,7 +99,8 @@ class RankEnded(RuntimeError):
 
 def _next_result(results, procs, out, timeout):
     """The next (rank, ok, value) on results. Raises RankEnded, after killing the others, if a
-    rank not in `out` ended without one, and queue.Empty after `timeout` seconds (None: never) without one."""
+    rank not in `out` ended without one, and queue.Empty, after killing them all, after `timeout` seconds (None:
+    never) without one."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         # read before the get: a rank writes its report to the pipe before it ends
@@ -113,6 +114,8 @@ def _next_result(results, procs, out, timeout):
                 raise RankEnded(f"{len(procs)} ranks: " + ", ".join(
                     f"rank {r} ended without a result ({_exit_name(code)})" for r, code in gone.items())) from None
             if deadline is not None and time.monotonic() > deadline:
+                for p in procs:  # (left waiting, they would also keep this process from exiting)
+                    p.kill()
                 raise
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import gc
 import itertools
+import math
 import re
 import shutil
 import time
@@ -25,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero
 from helpers import DIM, VOCAB, compare, make_model, missed_errors, pairwise_hook, usage
-from ranks import settled
+from ranks import run_on_ranks, settled
 
 STEPS = 6
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
@@ -1193,6 +1194,36 @@ def on_rank_stage3_held_for_backward():
     model(x).sum().backward()
     held["forward and backward"] = zero.model_state_bytes(model) - shard
     return held
+
+
+def on_rank_stage3_after_uneven_groups():
+    """World 3: a group of ranks 0 and 1 (every rank makes it; rank 2 is not in it) trains a
+    stage-3 model, then a stage-3 model and a stage-0 one over the world: losses of 2 steps each."""
+    torch.set_num_threads(1)
+    pair, losses = dist.new_group([0, 1]), {}
+    for group, stage in ([("pair", 3)] if dist.get_rank() < 2 else []) + [("world", 3), ("world", 0)]:
+        torch.manual_seed(0)
+        model, opt = zero.initialize(nn.Linear(8, 8), torch.optim.SGD, stage=stage, lr=0.1,
+                                     group=pair if group == "pair" else None)
+        for step in range(2):
+            loss = model(torch.randn(4, 8, generator=rank_generator(step))).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.setdefault((group, stage), []).append(loss.item())  # (a tensor would not outlive the rank)
+    return losses
+
+
+def test_stage3_initializes_where_ranks_belong_to_different_numbers_of_groups():
+    """Ranks 0-1 belong to one group more than rank 2 (the user's, and their model's check group
+    where zero made one). A check group made by some ranks only is named by torch after the
+    number of groups each rank belongs to, so a world model's check group would be two groups
+    to them and every rank waited forever in zero.initialize: it trains, with stage 0's losses
+    (fresh ranks, a 2-minute limit: the process groups of the other tests stay as they are)."""
+    for rank, losses in enumerate(run_on_ranks(3, on_rank_stage3_after_uneven_groups, timeout=120)):
+        print(f"rank {rank}:", losses)
+        assert len(losses) == (3 if rank < 2 else 2)
+        assert losses["world", 3] == losses["world", 0], losses  # (fp32 as Python floats: equal bits)
 
 
 def on_rank_stage3_gathered_as_each_module_starts():

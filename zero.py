@@ -874,12 +874,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.overflow = False
 
     def state_dict(self):
-        raise RuntimeError("the optimizer's state is sharded over the ranks: zero.save_checkpoint(path, model, "
-                           "optimizer) saves it (loadable at any Nd), zero.full_optimizer_state(model) gathers it")
+        raise RuntimeError("the optimizer's state is zero's (sharded over the ranks from stage 1 on): zero."
+                           "save_checkpoint(path, model, optimizer) saves it (loadable at any Nd and stage), "
+                           "zero.full_optimizer_state(model) gathers it")
 
     def load_state_dict(self, state_dict):
-        raise RuntimeError("the optimizer's state is sharded over the ranks: restore it with "
-                           "zero.load_checkpoint(path, model, optimizer)")
+        raise RuntimeError("the optimizer's state is zero's (sharded over the ranks from stage 1 on): restore it "
+                           "with zero.load_checkpoint(path, model, optimizer)")
 
     def wait_params(self):
         """Stages 1-2: wait for the all-gather step() left in flight (other stages: nothing to wait for)."""
@@ -1309,14 +1310,15 @@ _CHECK_GROUPS = {}  # data-parallel group -> the group stage 3's gather check ru
 
 
 def check_group(group=None):
-    """The group stage 3's gather check runs on: on gloo one of its own over the same ranks (the first call is
-    their collective), so its 16 bytes wait behind no bucket in gloo's two worker threads; else the group."""
+    """The group stage 3's gather check runs on: over all the ranks on gloo, one of its own (the first call is
+    every rank's collective), so its 16 bytes wait behind no bucket in gloo's two worker threads; else the group.
+    (A subgroup's copy needs new_group(use_local_synchronization=True), which torch names by the number of groups
+    each rank belongs to: ranks in different numbers of groups would wait for each other forever.)"""
     group = group or dist.group.WORLD
-    if dist.get_backend(group) != "gloo":
+    if dist.get_backend(group) != "gloo" or dist.get_world_size(group) != dist.get_world_size():
         return group
     if group not in _CHECK_GROUPS:
-        _CHECK_GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                                              use_local_synchronization=True)
+        _CHECK_GROUPS[group] = dist.new_group(backend="gloo")
     return _CHECK_GROUPS[group]
 
 
@@ -1810,12 +1812,13 @@ class ActivationCheckpointing:
         for i, block in enumerate(self.blocks):
             block.forward = functools.partial(self._forward, i, block.forward)
 
-    def _forward(self, i, forward, x, *args, **kwargs):
-        if args or kwargs or not isinstance(x, torch.Tensor):
-            got = f"{len(args)} more argument(s) and keywords {sorted(kwargs)}" if torch.is_tensor(x) else \
-                f"a {type(x).__name__}"
+    def _forward(self, i, forward, *args, **kwargs):
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+            got = f"a {type(args[0]).__name__}" if len(args) == 1 and not kwargs else \
+                f"{max(len(args) - 1, 0)} more argument(s) and keywords {sorted(kwargs)}"
             raise TypeError(f"zero.checkpoint_activations checkpoints blocks called as block(x), with one tensor; "
                             f"this one got {got}: checkpoint a module whose forward takes x alone")
+        x = args[0]
         if not torch.is_grad_enabled():  # nothing to save for a backward
             return forward(x)
         if torch.empty_like(x, device="meta").stride() != x.stride():  # not dense (a slice with gaps):
