@@ -344,7 +344,7 @@ def test_cli_fit_alone_runs_only_the_fit_with_its_flags(monkeypatch, capsys):
     (["--simulate", f"--budget={mt.FIT_BUDGET_MB}"], "--budget is a --fit flag: add --fit"),
     (["--formula", "--bud", "60"], "unrecognized arguments: --bud"),   # (an abbreviation would escape the check)
     # a preset the machine cannot hold: refused before any rank starts
-    (["--measure", "--model", "7.5b"], "use --simulate for the paper's sizes (meta tensors, no memory)"),
+    (["--measure", "--model", "1t"], "use --simulate for the paper's sizes (meta tensors, no memory)"),  # (80 TB)
 ])
 def test_cli_bad_flags_say_what_to_change(monkeypatch, capsys, flags, message):
     monkeypatch.setattr(mt, "fit_section", lambda args: pytest.fail(f"{flags} ran the fit"))

@@ -336,12 +336,19 @@ def on_rank_clip(stage, norm_type, max_norm, times=1, foreach=None):
     torch.optim.SGD(ddp_model.parameters(), lr=1.0).step()
     model, opt = zero.initialize(make_model(), torch.optim.SGD, stage=stage, bucket_numel=64, lr=1.0)
     F.cross_entropy(model(x, *usage(0, dist.get_rank(), True)).view(-1, VOCAB), y.view(-1)).backward()
-    got = torch.stack([opt.clip_grad_norm_(max_norm, norm_type, foreach=foreach) for _ in range(times)])
+    foreach_norms, foreach_norm = [], torch._foreach_norm
+    torch._foreach_norm = lambda *args, **kwargs: foreach_norms.append(1) or foreach_norm(*args, **kwargs)
+    try:  # (on CPU _foreach_norm and vector_norm give the same bits: the kernel chosen is counted)
+        got = torch.stack([opt.clip_grad_norm_(max_norm, norm_type, foreach=foreach) for _ in range(times)])
+    finally:
+        torch._foreach_norm = foreach_norm
+    problems = [] if bool(foreach_norms) == (foreach is not False) else [f"foreach={foreach}: {len(foreach_norms)} "
+                                                                         f"_foreach_norm calls"]
     opt.step()
     clipping = bool(want[0] > max_norm)
     weights = {n: p for n, p in ddp_model.state_dict().items() if n != "seen"}
-    return clipping, compare("norm", got, want) + compare("weights", {n: zero.full_state_dict(model)[n]
-                                                                      for n in weights}, weights)
+    return clipping, problems + compare("norm", got, want) + compare(
+        "weights", {n: zero.full_state_dict(model)[n] for n in weights}, weights)
 
 
 @pytest.mark.xdist_group("world2b")
@@ -359,7 +366,7 @@ def test_clip_grad_norm_matches_torch_for_each_norm_type_and_below_max_norm(worl
         assert clipping == (max_norm < 1) and problems == [], (clipping, problems)
 
 
-def on_rank_clip_value(stage):
+def on_rank_clip_value(stage, foreach):
     """One backward, clip_grad_value_ then clip_grad_norm_ (each acts on what the other left),
     then SGD with lr 1: zero against torch's two clips under DDP, bit for bit."""
     ddp_model = make_model()
@@ -367,12 +374,12 @@ def on_rank_clip_value(stage):
     x, y = batch(0)
     F.cross_entropy(ddp(x, *usage(0, dist.get_rank(), True)).view(-1, VOCAB), y.view(-1)).backward()
     largest = max(p.grad.abs().max() for p in ddp_model.parameters() if p.grad is not None).item()
-    torch.nn.utils.clip_grad_value_(ddp_model.parameters(), largest / 4, foreach=False)  # (torch's arguments)
+    torch.nn.utils.clip_grad_value_(ddp_model.parameters(), largest / 4, foreach=foreach)
     want = torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), 0.05)
     torch.optim.SGD(ddp_model.parameters(), lr=1.0).step()
     model, opt = zero.initialize(make_model(), torch.optim.SGD, stage=stage, bucket_numel=64, lr=1.0)
     F.cross_entropy(model(x, *usage(0, dist.get_rank(), True)).view(-1, VOCAB), y.view(-1)).backward()
-    opt.clip_grad_value_(largest / 4, foreach=False)
+    opt.clip_grad_value_(largest / 4, foreach=foreach)
     got = opt.clip_grad_norm_(0.05)
     opt.step()
     weights = {n: p for n, p in ddp_model.state_dict().items() if n != "seen"}
@@ -384,8 +391,10 @@ def on_rank_clip_value(stage):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_clip_grad_value_matches_torch(world, stage):
     """clip_grad_value_ clamps the averaged gradient as torch's clamps each p.grad under DDP: the
-    norm a clip_grad_norm_ after it measures and the weights after the step are torch's."""
-    assert world(2).run(on_rank_clip_value, stage) == [[]] * 2
+    norm a clip_grad_norm_ after it measures and the weights after the step are torch's, with
+    torch's foreach left to choose and with foreach=False."""
+    for foreach in (None, False):
+        assert world(2).run(on_rank_clip_value, stage, foreach) == [[]] * 2, foreach
 
 
 @pytest.mark.xdist_group("world2b")
@@ -1194,6 +1203,44 @@ def on_rank_stage3_held_for_backward():
     model(x).sum().backward()
     held["forward and backward"] = zero.model_state_bytes(model) - shard
     return held
+
+
+class TiedBlock(nn.Module):
+    """Three Linears, the first block's own and every later block's the same (ALBERT)."""
+
+    def __init__(self, first=None):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(16, 16) for _ in range(3)) if first is None else (first.a, first.b, first.c)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def on_rank_prefetches_of_tied_units():
+    """The gathers a second forward issues ahead of the module that needs them (prefetches), with
+    four blocks as units whose Linears are one set: each unit is three groups, past twice the
+    prefetch budget (prefetch x the largest group, one Linear)."""
+    torch.manual_seed(0)
+    first = TiedBlock()
+    net = nn.Sequential(nn.Linear(4, 16), first, *[TiedBlock(first) for _ in range(3)], nn.Linear(16, 4))
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=3, stage3_units=list(net[1:5]), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    sharded, gather, prefetches = opt.parameters, opt.parameters._gather, []
+    sharded._gather = lambda gids, prefetch=False: (prefetches.append(gids) if prefetch else None, gather(gids, prefetch))
+    model(torch.randn(2, 4)).sum().backward()
+    return len(prefetches)
+
+
+@pytest.mark.xdist_group("world2b")
+def test_stage3_prefetches_the_next_unit_whatever_its_size(world):
+    """A unit larger than twice the prefetch budget is still gathered ahead: the next unit always,
+    in forward and in backward: one prefetch as each module starts, but the last."""
+    for prefetches in world(2).run(on_rank_prefetches_of_tied_units):
+        print("prefetches in a forward and backward:", prefetches)
+        assert prefetches == 10, prefetches  # ahead of blocks 1-4 and the head in forward; of 4-1 and the first
+        # Linear in backward
 
 
 def on_rank_stage3_after_uneven_groups():
@@ -2224,6 +2271,7 @@ def test_stage3_output_it_cannot_see_into_names_the_fix(world, kind):
         assert message and f"returned an instance of {kind.__name__}" in message, message
         assert "return a tuple, dict or NamedTuple, or register the type" in message, message
 
+
 class ScaledByBuffer(nn.Module):
     """An fp32 Linear scaled by a float64 buffer (a table kept in more precision than the weights)."""
 
@@ -2251,19 +2299,23 @@ def on_rank_buffer_dtype(stage):
         opt.zero_grad()
         losses.append(loss.detach())
     cast = zero.initialize(ScaledByBuffer(), torch.optim.SGD, stage=0, param_dtype=torch.bfloat16, lr=0.1)[0]
-    return net.scale.dtype, losses, cast.scale.dtype
+    state = net.state_dict() if stage == "ddp" else zero.full_state_dict(model)
+    return net.scale.dtype, losses, cast.scale.dtype, state["scale"]
 
 
 @pytest.mark.xdist_group("world2")
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_buffers_keep_their_dtype_unless_param_dtype_is_given(world, stage):
-    """A float64 buffer in an fp32 model stays float64, as with DDP (losses: DDP's bits); with
-    param_dtype the model computes in it, and floating-point buffers are cast to it."""
+    """A float64 buffer in an fp32 model stays float64, as with DDP (losses: DDP's bits), and
+    zero.full_state_dict holds it as it is (floats in fp32 or wider); with param_dtype the model
+    computes in it, and floating-point buffers are cast to it."""
     want = world(2).run(on_rank_buffer_dtype, "ddp")
-    for (dtype, losses, cast), (_, want_losses, _) in zip(world(2).run(on_rank_buffer_dtype, stage), want):
-        print(dtype, [loss.item() for loss in losses], "with param_dtype:", cast)
+    for (dtype, losses, cast, scale), (_, want_losses, _, want_scale) in zip(world(2).run(on_rank_buffer_dtype, stage),
+                                                                             want):
+        print(dtype, [loss.item() for loss in losses], "with param_dtype:", cast, "in full_state_dict:", scale.dtype)
         assert (dtype, cast) == (torch.float64, torch.bfloat16)
         assert all(map(torch.equal, losses, want_losses)), (losses, want_losses)
+        assert scale.dtype == torch.float64 and torch.equal(scale, want_scale)
 
 
 class WithStats(nn.Module):

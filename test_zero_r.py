@@ -184,9 +184,11 @@ def test_checkpointing_takes_blocks_called_with_one_tensor():
         blocks[0](x, x, x)
     with pytest.raises(TypeError, match=r"block\(x\), with one tensor; this one got a tuple: checkpoint a module"):
         blocks[0]((x, x))  # (a pipeline's (hidden, mask))
-    with pytest.raises(TypeError, match=r"block\(x\), with one tensor; this one got 0 more argument\(s\) and "
+    with pytest.raises(TypeError, match=r"block\(x\), with one tensor; this one got no positional tensor, and "
                                         r"keywords \['query'\]: checkpoint a module"):
         blocks[0](query=x)  # (not a Python error naming zero's own argument)
+    with pytest.raises(TypeError, match=r"this one got 0 more argument\(s\) and keywords \['i'\]"):
+        blocks[0](x, i=0)  # (a keyword named as one of zero's own arguments)
 
 class Residual(nn.Module):
     def __init__(self):

@@ -247,8 +247,8 @@ def run_flags(args):
 def refuse_another_run(path, extra, args):
     """Stop where the checkpoint belongs to a run with other flags (a checkpoint without them: not checked)."""
     saved, now = (extra or {}).get("run", {}), run_flags(args)
-    if saved.get("data"):  # (saved as given, by an earlier train.py)
-        saved = {**saved, "data": os.path.realpath(saved["data"])}
+    if saved.get("data") and (saved["data"] == args.data or os.path.realpath(saved["data"]) == now["data"]):
+        saved = {**saved, "data": now["data"]}  # the same file (an earlier train.py saved it as given)
     changed = [f"--{k} {saved[k]} (now {now[k]})" for k in RUN_FLAGS if k in saved and saved[k] != now[k]]
     if changed:
         raise SystemExit(f"--resume: {path} belongs to a run with {', '.join(changed)}: resume with the run's "

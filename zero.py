@@ -45,7 +45,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import get_gradient_edge
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._foreach_utils import _has_foreach_support
+from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -479,6 +479,8 @@ class Piece:
 def _norm(grad, norm_type, foreach=None):
     """A gradient's norm by the kernel clip_grad_norm_ uses on its device: torch._foreach_norm where there
     are foreach kernels (CPU, CUDA; on CUDA its summation order may differ) or foreach=True, else vector_norm."""
+    if foreach and not _device_has_foreach_support(grad.device):
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {grad.device.type} tensors")
     if foreach or foreach is None and _has_foreach_support([grad], grad.device):
         return torch._foreach_norm([grad], norm_type)[0]
     return torch.linalg.vector_norm(grad, norm_type)
@@ -1529,13 +1531,14 @@ class ShardedParameters:
             self._gather(ahead, prefetch=True)
 
     def _ahead(self, k, step):
-        """The units after position k of the order (step +1; before it: -1), up to `prefetch` largest units'
-        elements, rounded to the nearest unit: one is taken where at least half of it fits in what is left, so
-        a small module before a block comes with it, and the budget is passed by half a unit at most."""
+        """The units after position k of the order (step +1; before it: -1), up to `prefetch` times the largest
+        group's elements, rounded to the nearest unit: the next one always, then one where at least half of it fits
+        in what is left, so a small module before a block comes with it, and the budget is passed by half a unit
+        at most beyond the first."""
         units, budget = [], self.prefetch_numel
         while budget > 0 and 0 <= k + step < len(self.unit_order):
             numel = sum(self.buffers[g].numel() for g in self.unit_order[k + step])
-            if numel > 2 * budget:
+            if units and numel > 2 * budget:  # (the next unit always: one with tied groups can pass the budget)
                 break
             k, budget = k + step, budget - numel
             units.append(self.unit_order[k])
@@ -1778,7 +1781,7 @@ def _holds_tensors(obj):
         return False
     held = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
     held += list(obj.values()) if isinstance(obj, dict) else list(obj) if isinstance(obj, (list, tuple)) else []
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(held)[0])
+    return bool(held) and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(held)[0])
 
 
 # -----------------------------------------------------------------------------------------
@@ -1812,10 +1815,11 @@ class ActivationCheckpointing:
         for i, block in enumerate(self.blocks):
             block.forward = functools.partial(self._forward, i, block.forward)
 
-    def _forward(self, i, forward, *args, **kwargs):
+    def _forward(self, i, forward, /, *args, **kwargs):
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
             got = f"a {type(args[0]).__name__}" if len(args) == 1 and not kwargs else \
-                f"{max(len(args) - 1, 0)} more argument(s) and keywords {sorted(kwargs)}"
+                f"{len(args) - 1} more argument(s) and keywords {sorted(kwargs)}" if args else \
+                f"no positional tensor, and keywords {sorted(kwargs)}"
             raise TypeError(f"zero.checkpoint_activations checkpoints blocks called as block(x), with one tensor; "
                             f"this one got {got}: checkpoint a module whose forward takes x alone")
         x = args[0]
@@ -2174,8 +2178,9 @@ def full_state_dict(module):
         else:  # a buffer: rank 0's, as the next forward would see it
             value = t.detach().clone()
             dist.broadcast(value, group_src=0, group=part.group)
-        # one copy, to the CPU and to fp32 at once: the state shares no storage with the model
-        state[name] = value.to("cpu", torch.float32 if value.is_floating_point() else value.dtype, copy=True)
+        # one copy, to the CPU and to fp32 (or wider) at once: the state shares no storage with the model
+        wide = torch.promote_types(value.dtype, torch.float32) if value.is_floating_point() else value.dtype
+        state[name] = value.to("cpu", wide, copy=True)
     return state
 
 
@@ -2506,9 +2511,9 @@ def consolidate(path, out=None):
         for name in [p["name"]] + p["aliases"]:  # a tied weight under each of its names
             model[name] = weights
     rest = reader.rest(0)
-    for name in rest.get("persistent", rest["buffers"]):  # floating point in fp32, as full_state_dict
+    for name in rest.get("persistent", rest["buffers"]):  # floating point in fp32 or wider, as full_state_dict
         b = rest["buffers"][name]
-        model[name] = b.float() if b.is_floating_point() else b
+        model[name] = b.to(torch.promote_types(b.dtype, torch.float32)) if b.is_floating_point() else b
     scalars, state, groups, index = reader.scalars(), {}, [], 0
     for saved in manifest["param_groups"]:
         groups.append({**{k: _as_held(None, v) for k, v in saved.items() if k != "params"},
