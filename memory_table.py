@@ -889,12 +889,13 @@ def main(argv=None):
         for name in names:
             if name in given:
                 parser.error(f"--{name} is a --{section} flag: add --{section}, or leave --{name} out")
-    need = max(args.world) * 20 * num_params(PRESETS[args.model])   # stage 0, fp32 AdamW: 16Ψ + the module's 4Ψ
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")   # (the machine's memory)
-    if "measure" in running and need > have:   # else each rank ends in an allocator error, or the OOM killer
-        parser.error(f"--measure --model {args.model} would hold about {need / 1e9:.0f} GB on this machine "
-                     f"({max(args.world)} rank(s) x 20Ψ bytes at stage 0), more than its {have / 1e9:.0f} GB: use "
-                     f"--simulate for the paper's sizes (meta tensors, no memory), or a smaller --model")
+    if "measure" in running:   # a model the machine cannot hold: each rank would end in an allocator error
+        need = max(args.world) * 20 * num_params(PRESETS[args.model])   # stage 0, fp32 AdamW: 16Ψ + the module's 4Ψ
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")   # (the machine's memory)
+        if need > have:
+            parser.error(f"--measure --model {args.model} would hold about {need / 1e9:.0f} GB on this machine "
+                         f"({max(args.world)} rank(s) x 20Ψ bytes at stage 0), more than its {have / 1e9:.0f} GB: "
+                         f"use --simulate for the paper's sizes (meta tensors, no memory), or a smaller --model")
     chosen = [SECTIONS[name] for name in running]
     tables = {}
     for section in chosen + ([fit_section] if args.fit else []):

@@ -829,5 +829,6 @@ def test_a_load_holds_optimizer_state_for_the_trainable_pieces_alone(world, tmp_
     piece, not one per key over the whole shard, frozen chunks included), and again after a step."""
     for before, loaded, stepped, keys, same in world(2).run(on_rank_state_bytes_across_a_load,
                                                              str(tmp_path / "ckpt"), stage):
-        print(f"stage {stage}: model states {before} B before saving, {loaded} B after loading, {stepped} B a step later")
+        print(f"stage {stage}: model states {before} B before saving, {loaded} B after loading, "
+              f"{stepped} B a step later")
         assert before == loaded == stepped and keys and same, (before, loaded, stepped, keys, same)

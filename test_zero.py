@@ -1227,8 +1227,14 @@ def on_rank_prefetches_of_tied_units():
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     opt.zero_grad()
-    sharded, gather, prefetches = opt.parameters, opt.parameters._gather, []
-    sharded._gather = lambda gids, prefetch=False: (prefetches.append(gids) if prefetch else None, gather(gids, prefetch))
+    gather, prefetches = opt.parameters._gather, []
+
+    def recording_gather(gids, prefetch=False):
+        if prefetch:
+            prefetches.append(gids)
+        return gather(gids, prefetch)
+
+    opt.parameters._gather = recording_gather
     model(torch.randn(2, 4)).sum().backward()
     return len(prefetches)
 
@@ -1252,12 +1258,8 @@ def on_rank_stage3_after_uneven_groups():
         torch.manual_seed(0)
         model, opt = zero.initialize(nn.Linear(8, 8), torch.optim.SGD, stage=stage, lr=0.1,
                                      group=pair if group == "pair" else None)
-        for step in range(2):
-            loss = model(torch.randn(4, 8, generator=rank_generator(step))).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.setdefault((group, stage), []).append(loss.item())  # (a tensor would not outlive the rank)
+        losses[group, stage] = [loss.item() for loss in train_losses(  # (a tensor would not outlive the rank)
+            opt, lambda step: model(torch.randn(4, 8, generator=rank_generator(step))).pow(2).mean(), 2)]
     return losses
 
 
@@ -2192,8 +2194,8 @@ class InPlace(nn.Module):
         return torch.relu_(self.head(h))
 
 
-def losses_and_weights(model, opt, loss_of, steps):
-    """`steps` times loss_of(step).backward(), step() and zero_grad(): the losses, and the weights after."""
+def train_losses(opt, loss_of, steps):
+    """`steps` times loss_of(step).backward(), step() and zero_grad(): the losses."""
     losses = []
     for step in range(steps):
         loss = loss_of(step)
@@ -2201,7 +2203,12 @@ def losses_and_weights(model, opt, loss_of, steps):
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-    return losses, zero.full_state_dict(model)
+    return losses
+
+
+def losses_and_weights(model, opt, loss_of, steps):
+    """train_losses, and the weights after."""
+    return train_losses(opt, loss_of, steps), zero.full_state_dict(model)
 
 
 def rank_generator(step):
@@ -2291,13 +2298,7 @@ def on_rank_buffer_dtype(stage):
         model, opt = DDP(net), torch.optim.SGD(net.parameters(), lr=0.1)
     else:
         model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1)
-    losses = []
-    for step in range(3):
-        loss = model(torch.randn(3, 4, generator=rank_generator(step))).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
+    losses = train_losses(opt, lambda step: model(torch.randn(3, 4, generator=rank_generator(step))).pow(2).mean(), 3)
     cast = zero.initialize(ScaledByBuffer(), torch.optim.SGD, stage=0, param_dtype=torch.bfloat16, lr=0.1)[0]
     state = net.state_dict() if stage == "ddp" else zero.full_state_dict(model)
     return net.scale.dtype, losses, cast.scale.dtype, state["scale"]
@@ -2623,7 +2624,8 @@ def on_rank_layout_warnings():
     """The warnings zero.initialize gives for a channels_last convolution, a transposed parameter
     and a contiguous model."""
     models = {"channels_last": nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3)).to(
-        memory_format=torch.channels_last), "transposed": _with_root_param(torch.float32), "contiguous": nn.Linear(2, 2)}
+        memory_format=torch.channels_last), "transposed": _with_root_param(torch.float32),
+        "contiguous": nn.Linear(2, 2)}
     models["transposed"].a = nn.Parameter(torch.randn(3, 2).t())
     said = {}
     for name, model in models.items():

@@ -1817,9 +1817,12 @@ class ActivationCheckpointing:
 
     def _forward(self, i, forward, /, *args, **kwargs):
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
-            got = f"a {type(args[0]).__name__}" if len(args) == 1 and not kwargs else \
-                f"{len(args) - 1} more argument(s) and keywords {sorted(kwargs)}" if args else \
-                f"no positional tensor, and keywords {sorted(kwargs)}"
+            if len(args) == 1 and not kwargs:
+                got = f"a {type(args[0]).__name__}"
+            elif args:
+                got = f"{len(args) - 1} more argument(s) and keywords {sorted(kwargs)}"
+            else:
+                got = f"no positional tensor, and keywords {sorted(kwargs)}"
             raise TypeError(f"zero.checkpoint_activations checkpoints blocks called as block(x), with one tensor; "
                             f"this one got {got}: checkpoint a module whose forward takes x alone")
         x = args[0]
