@@ -203,10 +203,10 @@ class DynamicLossScale:
 # -----------------------------------------------------------------------------------------
 # Sections 5 and 7 -- one flat parameter space, partitioned over the Nd ranks.
 # Parameters lie end to end in runs (reduced or gathered together), each cut into buckets of at
-# most C_B elements (its last one padded); rank r owns chunk r of every bucket, and its chunks
-# end to end are its shard, its "own space" (shard_numel elements). Figure 1's one contiguous
-# shard per rank would reduce a bucket into one rank, whose link carries Nd copies; per bucket,
-# each rank sends and receives (Nd-1)/Nd of every bucket, a ring's volume (Section 7), at any Nd.
+# most C_B elements (ALIGN x Nd where C_B is smaller; its last one padded); rank r owns chunk r of
+# every bucket, and its chunks end to end are its shard, its "own space" (shard_numel elements).
+# Figure 1's one contiguous shard per rank would reduce a bucket into one rank, whose link carries
+# Nd copies; per bucket, each rank sends and receives (Nd-1)/Nd of every bucket, a ring's volume (Section 7), at any Nd.
 #   reduce-scatter  every rank's gradient bucket in, the mean of chunk r out on rank r
 #   all-gather      chunk r from rank r in, the whole bucket out on every rank
 @dataclass
@@ -230,7 +230,7 @@ class FlatPartition:
         self.index = {p: i for i, p in enumerate(params)}
         self.offsets = [0] * len(params)  # flat start of each parameter
         self.buckets, self.segments_of = [], [[] for _ in params]  # segments_of[i]: (bucket, flat start, end)
-        # chunks are multiples of ALIGN (16-byte aligned everywhere); a full bucket is <= bucket_numel
+        # chunks are multiples of ALIGN (16-byte aligned everywhere); a full bucket is <= max(bucket_numel, ALIGN * Nd)
         full = max(ALIGN, bucket_numel // self.nd // ALIGN * ALIGN) * self.nd
         flat = own = 0
         for run, trainable in runs:
@@ -476,11 +476,16 @@ class Piece:
     own: slice  # where it lies in this rank's own space
 
 
+def _refuse_foreach(foreach, device):
+    """torch's clip functions raise this where foreach=True meets a device without foreach kernels."""
+    if foreach and not _device_has_foreach_support(device):
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+
+
 def _norm(grad, norm_type, foreach=None):
     """A gradient's norm by the kernel clip_grad_norm_ uses on its device: torch._foreach_norm where there
     are foreach kernels (CPU, CUDA; on CUDA its summation order may differ) or foreach=True, else vector_norm."""
-    if foreach and not _device_has_foreach_support(grad.device):
-        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {grad.device.type} tensors")
+    _refuse_foreach(foreach, grad.device)
     if foreach or foreach is None and _has_foreach_support([grad], grad.device):
         return torch._foreach_norm([grad], norm_type)[0]
     return torch.linalg.vector_norm(grad, norm_type)
@@ -641,6 +646,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """torch.nn.utils.clip_grad_value_, bit for bit: elementwise, so each rank clamps its own part (with
         either of torch's kernels, which foreach chooses between: the same bits)."""
         clip_value = float(clip_value)
+        _refuse_foreach(foreach, self.partition.device)
         if self.gradients.micro_batches > 0:  # (no backward yet: nothing to clip)
             self._reduce()
             self.clips.append(lambda grad: grad.clamp_(-clip_value, clip_value))
@@ -732,7 +738,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     windows[r][-1].append((k, i, lo, cut))
                     room[r], lo = room[r] - (cut - lo), cut
         # Window t of every norm rank travels in four rounds, a quarter of each sender's piece in each: a rank
-        # sends about a quarter bucket a round and receives at most that, however windows and buckets line up.
+        # receives at most a quarter bucket a round; it sends its parts of every norm rank's window, a quarter
+        # bucket where windows and buckets line up (at most 1.5 quarters in a search of layouts at Nd 3 and 4).
         self.norm_plan = []
         for t in range(max(len(w) for w in windows)):
             sends, receives, moves = [[] for _ in range(part.nd)], [[] for _ in range(part.nd)], False
@@ -936,9 +943,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 # -----------------------------------------------------------------------------------------
 # Section 5.2 -- P_os+g: gradient buckets, reduced during backward.
-# A bucket is reduced once all its gradients are in, last first (backward's order), one in flight
-# while backward computes the next. Stages 0-1 keep the full gradient (4Ψ in fp32, the buckets views
-# into it); stages 2-3 only the reduced chunks (4Ψ/Nd), each bucket living until it is reduced.
+# A bucket is reduced once all its gradients are in, in the order backward fills them (flat order
+# reversed until the first backward shows it), one in flight while backward computes the next.
+# Stages 0-1 keep the full gradient (4Ψ in fp32, the buckets views into it); stages 2-3 only the
+# reduced chunks (4Ψ/Nd), each bucket living until it is reduced.
 # Each micro-batch's backward is reduced on its own and added to the sum so far.
 class GradientBuckets:
     def __init__(self, partition, precision, keep_full, replicate, on_grad, on_backward_end, name):
@@ -955,7 +963,8 @@ class GradientBuckets:
             partition.padded_numel if replicate else partition.shard_numel, dtype=precision.reduce_dtype, device=device)
         self.reduced_chunks = [self.reduced[partition.chunk(k) if in_full or replicate else partition.own(k)]
                                for k in range(len(partition.buckets))]
-        self.order = [k for k, b in enumerate(partition.buckets) if b.trainable]  # reduced in reverse
+        self.order = [k for k, b in enumerate(partition.buckets) if b.trainable]  # reduced from its end
+        self.order_learned = False  # (see _learn_order)
         self.require_scaled_backward, self.scaled_backward, self.in_backward = False, False, False
         # the hook holds this object weakly: Python's collector cannot see a cycle through C++
         for p in partition.params[:self.n_trainable]:
@@ -987,6 +996,7 @@ class GradientBuckets:
     def _new_backward(self):
         self.used = [False] * self.n_trainable  # this rank's gradient arrived, this backward
         self.pending = [len(b.segments) for b in self.partition.buckets]  # gradients still to come, per bucket
+        self.filled = []  # the buckets whose last gradient came, in that order
         self.temporary, self.in_reduction = {}, []  # in_reduction: reductions not yet finished
         self.next = len(self.order) - 1
         self.in_backward, self.for_params = False, True  # (True: step() without a backward reduces zeros)
@@ -1041,10 +1051,15 @@ class GradientBuckets:
         for k, lo, hi in part.segments_of[i]:  # copy into the bucket(s) it falls in
             start = part.buckets[k].start
             self._bucket(k)[lo - start:hi - start].copy_(grad[lo - a:hi - a])
-            self.pending[k] -= 1
+            self._one_more_in(k)
         p.grad = None  # the full gradient lives on only in the bucket (stages 0-1: the full buffer)
         self.on_grad(p)
         self._reduce_ready_buckets()
+
+    def _one_more_in(self, k):
+        self.pending[k] -= 1
+        if self.pending[k] == 0:
+            self.filled.append(k)
 
     def _reduce_ready_buckets(self):
         while self.next >= 0 and self.pending[self.order[self.next]] == 0:
@@ -1071,7 +1086,7 @@ class GradientBuckets:
             if not self.used[i]:  # unused on this rank: it contributes zeros, as in DDP
                 for k, lo, hi in part.segments_of[i]:
                     self._bucket(k)[lo - part.buckets[k].start:hi - part.buckets[k].start].zero_()
-                    self.pending[k] -= 1
+                    self._one_more_in(k)
         self._reduce_ready_buckets()
         while self.in_reduction:
             self._finish_reduction()
@@ -1080,13 +1095,24 @@ class GradientBuckets:
         used = torch.tensor(self.used, dtype=torch.int32, device=part.flag_device)
         work = part.start(dist.all_reduce, used, op=dist.ReduceOp.MAX)  # (n_trainable,)
         self.used_flags.append((work, used))
+        if not self.order_learned:
+            self._learn_order()
         self.on_backward_end()
         self.micro_batches += 1
         self._new_backward()
 
+    def _learn_order(self):
+        """After the first backward that reached the parameters: from now on, reduce in the order rank 0's buckets
+        filled (a broadcast of the trainable buckets' indices, once), as DDP rebuilds its buckets. A module
+        registered before the modules it runs after (a head defined first) would otherwise hold every bucket
+        filled after it until its own is reduced: up to the whole gradient, at stages 2-3 too."""
+        filled = torch.tensor(self.filled, dtype=torch.int64, device=self.partition.flag_device)
+        self.partition.wait(self.partition.start(dist.broadcast, filled, group_src=0))  # (trainable buckets,)
+        self.order, self.order_learned = filled.tolist()[::-1], True
+
     def finish(self):
         """At step time: the step's gradients reduced (zeros if no backward ran); at stage 0 all-gathered
-        too, as all-reduce = reduce-scatter + all-gather: each rank sends its reduced chunks (Ψ/Nd)."""
+        too, as all-reduce = reduce-scatter + all-gather: each rank sends its reduced chunks (Ψ/Nd) to Nd-1 ranks."""
         if self.micro_batches == 0:
             self._finish_backward()
         self.finished = True
@@ -1896,9 +1922,10 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
                reduction="exact", check_timeout=60, init_fn=None, device=None, tp_group=None, **optimizer_kwargs):
     """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world) and
     return (module, optimizer): the same module, sharded and hooked, and the optimizer to step.
-    Every rank starts from rank 0's weights. docs/api.md describes every argument; in brief:
-    bucket_numel is C_B, param_dtype/reduce_dtype/loss_scale 16-bit compute over an fp32 master
-    (Section 3.1), init_fn/device a meta-built module, tp_group Megatron's group (gpt.py)."""
+    Every rank starts from rank 0's weights (a module on meta: init_fn's, the same on every rank).
+    docs/api.md describes every argument; in brief: bucket_numel is C_B, param_dtype/reduce_dtype/
+    loss_scale 16-bit compute over an fp32 master (Section 3.1), init_fn/device a meta-built module,
+    tp_group Megatron's group (gpt.py)."""
     param_groups = _groups(param_groups)
     _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
            loss_scale, prefetch, reduction, init_fn, device, tp_group, optimizer_kwargs)
@@ -2165,8 +2192,8 @@ def model_state_bytes(module):
 
 
 def full_state_dict(module):
-    """{name: full CPU tensor} for every parameter and buffer (floating point as fp32), keyed as
-    module.state_dict(), identical on every rank of `group` (each tp rank gets its slices). A
+    """{name: full CPU tensor} for every parameter and buffer (floats in fp32 or wider), keyed as
+    module.state_dict(), identical on every rank of the data-parallel group (each tp rank gets its slices). A
     collective: call it on every rank. Gathered a bucket at a time: the device holds one bucket more."""
     opt = _engine(module)
     opt.parameters.wait()
