@@ -553,6 +553,55 @@ def test_reads_after_step_wait_for_the_parameter_all_gather(world, stage):
     assert world(2).run(on_rank_reads_after_step_wait, stage) == [[], []]
 
 
+def on_rank_a_module_made_around_the_model(stage, tmp_path):
+    """torch.compile(model) and a parent made after zero.initialize: listing their parameters waits for
+    step()'s all-gather; their zero_grad() clears only p.grad, and the backward after names the fix; the
+    checkpoint functions take the compiled wrapper under the names of the module zero.initialize returned."""
+    problems = []
+    model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, bucket_numel=50, lr=1e-2)
+    compiled, parent = torch.compile(model), nn.ModuleDict({"student": model})  # (nothing compiles until called)
+
+    def train_step(step):
+        x, y = batch(step)
+        F.cross_entropy(model(x, True, True).view(-1, VOCAB), y.view(-1)).backward()
+        opt.step()
+
+    for step, around in enumerate([compiled, parent]):
+        train_step(step)
+        opt.zero_grad()
+        listed = len(list(around.parameters()))
+        if stage < 3 and opt.parameters.in_flight:
+            problems.append(f"{type(around).__name__}.parameters() ({listed}) did not wait for the all-gather")
+    compiled.zero_grad()  # no zero_grad after this step's
+    train_step(2)
+    compiled.zero_grad()
+    try:
+        train_step(3)
+        problems.append("a backward after compiled.zero_grad() alone raised nothing")
+    except RuntimeError as e:
+        if "torch.compile's) clears only p.grad" not in str(e):
+            problems.append(f"the backward after compiled.zero_grad() raised {e}")
+    opt.zero_grad()
+    train_step(4)
+    opt.zero_grad()
+    path = tmp_path / f"stage{stage}"
+    zero.save_checkpoint(path, compiled, opt, step=5)
+    names = list(model.state_dict(keep_vars=True))
+    if list(zero.full_state_dict(compiled)) != names:
+        problems.append(f"full_state_dict(compiled) keys {list(zero.full_state_dict(compiled))[:2]}, not {names[:2]}")
+    if zero.load_checkpoint(path, model, opt) != {"step": 5}:
+        problems.append("the checkpoint saved through torch.compile's wrapper did not load into the model")
+    if sorted(zero.consolidate(path)["model"]) != sorted(names):
+        problems.append(f"consolidated keys {sorted(zero.consolidate(path)['model'])[:2]}, not {sorted(names)[:2]}")
+    return problems
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_module_made_around_the_model_after_initialize(world, stage, tmp_path):
+    assert world(2).run(on_rank_a_module_made_around_the_model, stage, tmp_path) == [[], []]
+
+
 # -----------------------------------------------------------------------------------------
 # Stage 3 frees a module's parameters in backward once all their gradients are in; a frozen
 # weight beside a trainable bias (its gradient arrives before the weight's last use) stays

@@ -1027,7 +1027,9 @@ class GradientBuckets:
         if self.stepped:  # its sum would be added to the gradients the step has used
             raise RuntimeError(f"backward reached {self.name}'s parameters after its optimizer.step() without "
                                f"optimizer.zero_grad() (or model.zero_grad()): zero the gradients after each step "
-                               f"(also before another model's loss backpropagates through this one)")
+                               f"(also before another model's loss backpropagates through this one). A module made "
+                               f"around the model after zero.initialize (torch.compile's) clears only p.grad, which "
+                               f"zero leaves None: call optimizer.zero_grad()")
 
     def grad_ready(self, p):
         """Post-accumulate-grad hook: p's gradient for this backward is complete."""
@@ -1183,6 +1185,8 @@ class FlatParameters:
                     m.register_forward_hook(lambda mod, args, out: self._post_forward(), always_call=True)
                 m.register_state_dict_pre_hook(lambda *args: self.wait())
                 m.named_parameters = types.MethodType(self._after_wait, m)  # parameters() too
+            # a module made around it after (torch.compile's wrapper, a parent) lists its parameters through this
+            module.named_modules = types.MethodType(self._modules_after_wait, module)
             # the first forward of the whole module (not of a part called on its own) learns the reads
             module.register_forward_pre_hook(lambda mod, args: self._start_reading(), prepend=True)
             module.register_forward_hook(lambda mod, args, out: self._learn_ends(), always_call=True)
@@ -1192,6 +1196,10 @@ class FlatParameters:
         EMA) sees the stepped weights. A method of the module, as torch.compile expects."""
         self.wait()
         return type(module).named_parameters(module, *args, **kwargs)
+
+    def _modules_after_wait(self, module, *args, **kwargs):
+        self.wait()
+        return type(module).named_modules(module, *args, **kwargs)
 
     def end_raised_forward(self):
         """At zero_grad(): end a first forward stopped by a KeyboardInterrupt (always_call hooks run on
@@ -2170,19 +2178,20 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
 
 
 def _engine(module, optimizer=None):
-    """The ZeroOptimizer zero.initialize returned with `module` (and checks `optimizer` is it)."""
+    """The ZeroOptimizer zero.initialize returned with `module` (checking `optimizer` is it), and that module: `module`
+    itself, or the one inside a wrapper made after (torch.compile's, whose names begin with _orig_mod.)."""
     if not isinstance(getattr(module, "_zero", None), ZeroOptimizer):
         raise ValueError("this module was not returned by zero.initialize")
     if optimizer is not None and optimizer is not module._zero:
         raise ValueError("the optimizer given is not the one zero.initialize returned with this model, whose state "
                          "the checkpoint holds: pass the pair it returned (model, optimizer = zero.initialize(...))")
-    return module._zero
+    return module._zero, module._zero.module()
 
 
 def model_state_bytes(module):
     """Bytes of the parameters, gradients and optimizer states this rank holds now: the distinct
     storages that hold them (one freed by stage 3 counts 0)."""
-    opt = _engine(module)
+    opt, module = _engine(module)
     tensors = [p.grad for p in opt.partition.params if p.grad is not None]
     tensors += opt.parameters.storages() + opt.gradients.storages()  # the parameters are views of these
     tensors += [opt.master] if opt.master is not None else []
@@ -2195,7 +2204,7 @@ def full_state_dict(module):
     """{name: full CPU tensor} for every parameter and buffer (floats in fp32 or wider), keyed as
     module.state_dict(), identical on every rank of the data-parallel group (each tp rank gets its slices). A
     collective: call it on every rank. Gathered a bucket at a time: the device holds one bucket more."""
-    opt = _engine(module)
+    opt, module = _engine(module)
     opt.parameters.wait()
     opt._refuse_lost_writes(record=False)
     # the fp32 master weights where they exist, else the parameters themselves
@@ -2217,7 +2226,7 @@ def full_state_dict(module):
 def full_optimizer_state(module):
     """{parameter name: {state key: full CPU tensor}}: the optimizer state as one unsharded
     optimizer would hold it. A collective: call it on every rank."""
-    opt = _engine(module)
+    opt, module = _engine(module)
     keys, scalars, keys_of = opt._all_states()  # which parameters have state, which, its scalars
     params = {n: p for n, p in module.named_parameters() if n in scalars}  # in module order
     result = {name: {key: v.cpu() if torch.is_tensor(v) else v for key, v in scalars[name].items()}
@@ -2254,7 +2263,7 @@ def save_checkpoint(path, model, optimizer, **extra):
     """Save into the new directory `path` on every rank (a collective), one bucket chunk at a time. Files go to
     path.partial, renamed to `path` once every rank's are written: a crash mid-save leaves no checkpoint.
     extra: this rank's own values (the step, its data generator's state), returned by load_checkpoint."""
-    opt, path = _engine(model, optimizer), pathlib.Path(path)
+    (opt, model), path = _engine(model, optimizer), pathlib.Path(path)
     part, group = opt.partition, opt.partition.group
     opt.parameters.wait()  # (stages 1-2: the all-gather in flight; it also checks no write raced it)
     opt._refuse_lost_writes(record=False)  # (a write the checkpoint would not hold)
@@ -2441,7 +2450,7 @@ def _read_piece(opt, reader, key, piece, out):
 def load_checkpoint(path, model, optimizer):
     """Restore, on every rank (a collective), at any Nd, stage or bucket size, what save_checkpoint saved (weights,
     optimizer states, loss scale, buffers, RNG state); returns extra. All is checked before anything is written."""
-    opt, path = _engine(model, optimizer), pathlib.Path(path)
+    (opt, model), path = _engine(model, optimizer), pathlib.Path(path)
     _refuse_pending_gradients(opt, "load_checkpoint", "they would be added to the loaded weights' next step")
     manifest = _read_manifest(path)
     part = opt.partition
