@@ -324,31 +324,37 @@ def test_one_reduction_is_in_flight_while_backward_computes(world, stage):
         assert max(in_flight) == 1, in_flight
 
 
-class HeadFirst(nn.Module):
-    """Eight layers registered in the reverse of the order forward runs them (a head defined first)."""
+class Layers(nn.Module):
+    """Eight layers run in the order they are registered, or the reverse (a head defined first)."""
 
-    def __init__(self):
+    def __init__(self, head_first):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(8))
+        self.layers, self.head_first = nn.ModuleList(nn.Linear(16, 16) for _ in range(8)), head_first
 
     def forward(self, x):
-        for layer in reversed(self.layers):
+        for layer in reversed(self.layers) if self.head_first else self.layers:
             x = torch.tanh(layer(x))
         return x
 
 
-def on_rank_buckets_held_in_backward(stage, steps):
+def on_rank_buckets_held_in_backward(stage, case, steps=3):
     """Per step (two micro-batches each): the most gradient buckets held at once after any gradient hook
-    (filling, or in flight); and the weights at the end."""
+    (filling, or in flight); and the weights at the end. One layer a bucket."""
     torch.manual_seed(0)
-    model, opt = zero.initialize(HeadFirst(), torch.optim.SGD, stage=stage, bucket_numel=16 * 16 + 16, lr=0.1)
+    net = Layers(head_first=case == "head first")
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, bucket_numel=16 * 16 + 16, lr=0.1)
     held, gradients = [], opt.gradients
     # (after zero's own hook; removed at the end: autograd holds hooks where the collector cannot see them)
     hooks = [p.register_post_accumulate_grad_hook(
         lambda p: held.append(len(gradients.temporary) + len(gradients.in_reduction))) for p in model.parameters()]
+    if case == "step first":  # a step with no backward: zeros reduced, no order seen
+        opt.step()
+        opt.zero_grad()
     most = []
     for step in range(steps):
         held.clear()
+        for layer in net.layers[:4]:  # "frozen first": the first 4 layers frozen in the first step only
+            layer.requires_grad_(not (case == "frozen first" and step == 0))
         for micro in range(2):
             gen = torch.Generator().manual_seed(100 * step + 10 * micro + dist.get_rank())
             model(torch.randn(4, 16, generator=gen)).square().mean().backward()
@@ -357,21 +363,25 @@ def on_rank_buckets_held_in_backward(stage, steps):
         most.append(max(held))
     for hook in hooks:
         hook.remove()
-    return most, zero.full_state_dict(model)  # (one layer a bucket)
+    return most, zero.full_state_dict(model)
 
 
 @pytest.mark.xdist_group("world2b")
+@pytest.mark.parametrize("case, want", [("head first", [8, 2, 2]), ("step first", [2, 2, 2]),
+                                        ("frozen first", [2, 2, 2])])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_buckets_are_reduced_in_the_order_backward_fills_them(world, stage):
-    """Layers registered in the reverse of the order they run: flat order reversed reduces the bucket
-    backward fills last first, so until then every bucket waits, held (8 at stages 2-3; stage 1's first
-    backward writes the full gradient). From the first backward on, zero reduces in the order rank 0's
-    buckets filled (as DDP rebuilds its buckets): one bucket filling and one in flight. Stage 0's weights."""
-    base = world(2).run(on_rank_buckets_held_in_backward, 0, 3)
-    for (most, weights), (_, want) in zip(world(2).run(on_rank_buckets_held_in_backward, stage, 3), base):
-        print(f"stage {stage}: most buckets held in backward, by step: {most}")
-        assert most == [8 if stage > 1 else 2, 2, 2], most
-        assert all(torch.equal(weights[name], want[name]) for name in want)
+def test_buckets_are_reduced_in_the_order_backward_fills_them(world, stage, case, want):
+    """Layers registered in the reverse of the order they run ("head first"): flat order reversed reduces
+    the bucket backward fills last first, so until then every bucket waits, held (8; at stage 1 in the second
+    micro-batch, the first writing the full gradient). From the second step on zero reduces in the order
+    gradients filled rank 0's buckets in its first backward, as DDP rebuilds its buckets: one filling and one
+    in flight. A step before any backward ("step first") shows no order; buckets no gradient filled in the
+    first backward ("frozen first") keep their place in flat order reversed. Stage 0's weights, every case."""
+    base = world(2).run(on_rank_buckets_held_in_backward, 0, case)
+    for (most, weights), (_, want_weights) in zip(world(2).run(on_rank_buckets_held_in_backward, stage, case), base):
+        print(f"stage {stage}, {case}: most buckets held in backward, by step: {most}")
+        assert most == want, most
+        assert all(torch.equal(weights[name], want_weights[name]) for name in want_weights)
 
 
 def on_rank_clip(stage, norm_type, max_norm, times=1, foreach=None):

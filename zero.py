@@ -944,7 +944,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 # -----------------------------------------------------------------------------------------
 # Section 5.2 -- P_os+g: gradient buckets, reduced during backward.
 # A bucket is reduced once all its gradients are in, in the order backward fills them (flat order
-# reversed until the first backward shows it), one in flight while backward computes the next.
+# reversed until the first step has shown it), one in flight while backward computes the next.
 # Stages 0-1 keep the full gradient (4Ψ in fp32, the buckets views into it); stages 2-3 only the
 # reduced chunks (4Ψ/Nd), each bucket living until it is reduced.
 # Each micro-batch's backward is reduced on its own and added to the sum so far.
@@ -964,7 +964,7 @@ class GradientBuckets:
         self.reduced_chunks = [self.reduced[partition.chunk(k) if in_full or replicate else partition.own(k)]
                                for k in range(len(partition.buckets))]
         self.order = [k for k, b in enumerate(partition.buckets) if b.trainable]  # reduced from its end
-        self.order_learned = False  # (see _learn_order)
+        self.order_agreed, self.first_filled = False, None  # (see _agree_on_order)
         self.require_scaled_backward, self.scaled_backward, self.in_backward = False, False, False
         # the hook holds this object weakly: Python's collector cannot see a cycle through C++
         for p in partition.params[:self.n_trainable]:
@@ -1084,6 +1084,8 @@ class GradientBuckets:
             self._new_backward()
             return
         part = self.partition
+        if self.in_backward and self.first_filled is None:  # (not step()'s zeros where no backward ran)
+            self.first_filled = list(self.filled)  # the buckets gradients filled, before the zeros below
         for i in range(self.n_trainable):
             if not self.used[i]:  # unused on this rank: it contributes zeros, as in DDP
                 for k, lo, hi in part.segments_of[i]:
@@ -1097,26 +1099,38 @@ class GradientBuckets:
         used = torch.tensor(self.used, dtype=torch.int32, device=part.flag_device)
         work = part.start(dist.all_reduce, used, op=dist.ReduceOp.MAX)  # (n_trainable,)
         self.used_flags.append((work, used))
-        if not self.order_learned:
-            self._learn_order()
         self.on_backward_end()
         self.micro_batches += 1
         self._new_backward()
 
-    def _learn_order(self):
-        """After the first backward that reached the parameters: from now on, reduce in the order rank 0's buckets
-        filled (a broadcast of the trainable buckets' indices, once), as DDP rebuilds its buckets. A module
+    def _agree_on_order(self):
+        """At step time, until done: from the next backward on, reduce in the order gradients filled rank 0's
+        buckets in its first backward (a broadcast of bucket indices), as DDP rebuilds its buckets. A module
         registered before the modules it runs after (a head defined first) would otherwise hold every bucket
-        filled after it until its own is reduced: up to the whole gradient, at stages 2-3 too."""
-        filled = torch.tensor(self.filled, dtype=torch.int64, device=self.partition.flag_device)
-        self.partition.wait(self.partition.start(dist.broadcast, filled, group_src=0))  # (trainable buckets,)
-        self.order, self.order_learned = filled.tolist()[::-1], True
+        filled after it until its own is reduced: up to the whole gradient, at stages 2-3 too. A bucket no
+        gradient filled then (frozen, unused) keeps its place in flat order reversed: before the first lower one."""
+        first = torch.tensor(self.first_filled or [], dtype=torch.int64)
+        seen = torch.full((len(self.order),), -1, dtype=torch.int64, device=self.partition.flag_device)
+        seen[:len(first)] = first
+        self.partition.wait(self.partition.start(dist.broadcast, seen, group_src=0))  # (trainable buckets,), -1 after
+        filled = [k for k in seen.tolist() if k >= 0]
+        if not filled:  # rank 0 has run no backward yet
+            return
+        rest, j, sequence = sorted(set(self.order) - set(filled), reverse=True), 0, []
+        for k in filled:
+            while j < len(rest) and rest[j] > k:
+                sequence.append(rest[j])
+                j += 1
+            sequence.append(k)
+        self.order, self.order_agreed = (sequence + rest[j:])[::-1], True
 
     def finish(self):
         """At step time: the step's gradients reduced (zeros if no backward ran); at stage 0 all-gathered
         too, as all-reduce = reduce-scatter + all-gather: each rank sends its reduced chunks (Ψ/Nd) to Nd-1 ranks."""
         if self.micro_batches == 0:
             self._finish_backward()
+        if not self.order_agreed:
+            self._agree_on_order()
         self.finished = True
         part = self.partition
         for k in self.order if self.replicate else ():
