@@ -944,7 +944,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 # -----------------------------------------------------------------------------------------
 # Section 5.2 -- P_os+g: gradient buckets, reduced during backward.
 # A bucket is reduced once all its gradients are in, in the order backward fills them (flat order
-# reversed until the first step has shown it), one in flight while backward computes the next.
+# reversed until a step has shown it on rank 0), one in flight while backward computes the next.
 # Stages 0-1 keep the full gradient (4Ψ in fp32, the buckets views into it); stages 2-3 only the
 # reduced chunks (4Ψ/Nd), each bucket living until it is reduced.
 # Each micro-batch's backward is reduced on its own and added to the sum so far.
@@ -964,7 +964,7 @@ class GradientBuckets:
         self.reduced_chunks = [self.reduced[partition.chunk(k) if in_full or replicate else partition.own(k)]
                                for k in range(len(partition.buckets))]
         self.order = [k for k, b in enumerate(partition.buckets) if b.trainable]  # reduced from its end
-        self.order_agreed, self.first_filled = False, None  # (see _agree_on_order)
+        self.order_agreed, self.order_seen, self.first_filled = False, False, None  # (see _agree_on_order)
         self.require_scaled_backward, self.scaled_backward, self.in_backward = False, False, False
         # the hook holds this object weakly: Python's collector cannot see a cycle through C++
         for p in partition.params[:self.n_trainable]:
@@ -989,7 +989,9 @@ class GradientBuckets:
         """Which parameters some rank used in some backward of this step."""
         for work, used in self.used_flags:
             self.partition.wait(work)
-            self.used_so_far = [u or v for u, v in zip(self.used_so_far, used.bool().tolist())]
+            *flags, seen = used.bool().tolist()
+            self.used_so_far = [u or v for u, v in zip(self.used_so_far, flags)]
+            self.order_seen = self.order_seen or seen
         self.used_flags = []
         return self.used_so_far
 
@@ -1084,8 +1086,10 @@ class GradientBuckets:
             self._new_backward()
             return
         part = self.partition
-        if self.in_backward and self.first_filled is None:  # (not step()'s zeros where no backward ran)
-            self.first_filled = list(self.filled)  # the buckets gradients filled, before the zeros below
+        # whether gradients filled every bucket, before the zeros below (not step()'s zeros where no backward ran)
+        filled_all = self.in_backward and len(self.filled) == len(self.order)
+        if filled_all and self.first_filled is None:
+            self.first_filled = list(self.filled)
         for i in range(self.n_trainable):
             if not self.used[i]:  # unused on this rank: it contributes zeros, as in DDP
                 for k, lo, hi in part.segments_of[i]:
@@ -1096,40 +1100,30 @@ class GradientBuckets:
             self._finish_reduction()
         # A parameter unused on every rank in every micro-batch keeps no gradient (as DDP's
         # find_unused_parameters=True). The flags travel while the next micro-batch runs.
-        used = torch.tensor(self.used, dtype=torch.int32, device=part.flag_device)
-        work = part.start(dist.all_reduce, used, op=dist.ReduceOp.MAX)  # (n_trainable,)
+        # and one more flag: rank 0's gradients filled every bucket (see _agree_on_order)
+        used = torch.tensor(self.used + [filled_all and part.rank == 0], dtype=torch.int32, device=part.flag_device)
+        work = part.start(dist.all_reduce, used, op=dist.ReduceOp.MAX)  # (n_trainable + 1,)
         self.used_flags.append((work, used))
         self.on_backward_end()
         self.micro_batches += 1
         self._new_backward()
 
     def _agree_on_order(self):
-        """At step time, until done: from the next backward on, reduce in the order gradients filled rank 0's
-        buckets in its first backward (a broadcast of bucket indices), as DDP rebuilds its buckets. A module
+        """At the step after the first backward in which gradients filled every bucket on rank 0: from then on
+        reduce in that backward's order (rank 0's broadcast, once), as DDP rebuilds its buckets. A module
         registered before the modules it runs after (a head defined first) would otherwise hold every bucket
-        filled after it until its own is reduced: up to the whole gradient, at stages 2-3 too. A bucket no
-        gradient filled then (frozen, unused) keeps its place in flat order reversed: before the first lower one."""
-        first = torch.tensor(self.first_filled or [], dtype=torch.int64)
-        seen = torch.full((len(self.order),), -1, dtype=torch.int64, device=self.partition.flag_device)
-        seen[:len(first)] = first
-        self.partition.wait(self.partition.start(dist.broadcast, seen, group_src=0))  # (trainable buckets,), -1 after
-        filled = [k for k in seen.tolist() if k >= 0]
-        if not filled:  # rank 0 has run no backward yet
-            return
-        rest, j, sequence = sorted(set(self.order) - set(filled), reverse=True), 0, []
-        for k in filled:
-            while j < len(rest) and rest[j] > k:
-                sequence.append(rest[j])
-                j += 1
-            sequence.append(k)
-        self.order, self.order_agreed = (sequence + rest[j:])[::-1], True
+        filled after it until its own is reduced: up to the whole gradient, at stages 2-3 too. Until then (a
+        parameter frozen or unused on rank 0 so far) the buckets go in flat order reversed."""
+        order = torch.tensor(self.first_filled or self.order, dtype=torch.int64, device=self.partition.flag_device)
+        self.partition.wait(self.partition.start(dist.broadcast, order, group_src=0))  # (trainable buckets,)
+        self.order, self.order_agreed = order.tolist()[::-1], True
 
     def finish(self):
         """At step time: the step's gradients reduced (zeros if no backward ran); at stage 0 all-gathered
         too, as all-reduce = reduce-scatter + all-gather: each rank sends its reduced chunks (Ψ/Nd) to Nd-1 ranks."""
         if self.micro_batches == 0:
             self._finish_backward()
-        if not self.order_agreed:
+        if not self.order_agreed and self.used_anywhere and self.order_seen:  # (used_anywhere: waits for the flags)
             self._agree_on_order()
         self.finished = True
         part = self.partition
