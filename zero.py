@@ -987,13 +987,18 @@ class GradientBuckets:
     @property
     def used_anywhere(self):
         """Which parameters some rank used in some backward of this step."""
+        self._read_flags()
+        return self.used_so_far
+
+    def _read_flags(self):
+        """Wait for each backward's flags: the parameters some rank used, and whether gradients filled every
+        bucket on rank 0 (see _agree_on_order)."""
         for work, used in self.used_flags:
             self.partition.wait(work)
             *flags, seen = used.bool().tolist()
             self.used_so_far = [u or v for u, v in zip(self.used_so_far, flags)]
             self.order_seen = self.order_seen or seen
         self.used_flags = []
-        return self.used_so_far
 
     def _new_backward(self):
         self.used = [False] * self.n_trainable  # this rank's gradient arrived, this backward
@@ -1123,8 +1128,10 @@ class GradientBuckets:
         too, as all-reduce = reduce-scatter + all-gather: each rank sends its reduced chunks (Ψ/Nd) to Nd-1 ranks."""
         if self.micro_batches == 0:
             self._finish_backward()
-        if not self.order_agreed and self.used_anywhere and self.order_seen:  # (used_anywhere: waits for the flags)
-            self._agree_on_order()
+        if not self.order_agreed:
+            self._read_flags()
+            if self.order_seen:
+                self._agree_on_order()
         self.finished = True
         part = self.partition
         for k in self.order if self.replicate else ():
