@@ -101,6 +101,33 @@ def test_resume_continues_bit_for_bit(world, tmp_path, nd, stage, kwargs):
         assert same_losses == [True] * 3 and differing == []
 
 
+def on_rank_resume_with_other_loss_scale_settings(path):
+    """The scale's settings are zero.initialize's, its state (the scale, the clean steps since the
+    last overflow) the checkpoint's. A count at or past a shorter growth_interval used to stop the
+    scale from ever growing again (it grew only where the count equalled the interval)."""
+    model, opt = make(1, param_dtype=torch.float16, loss_scale=zero.DynamicLossScale(2.0**10, growth_interval=100))
+    train(model, opt, 0, 3)
+    zero.save_checkpoint(path, model, opt)
+    saved = (opt.loss_scale, opt.clean_steps)
+    model, opt = make(1, param_dtype=torch.float16, loss_scale=zero.DynamicLossScale(2.0**12, growth_interval=2))
+    zero.load_checkpoint(path, model, opt)
+    scales = [(opt.loss_scale, opt.clean_steps)]
+    train(model, opt, 3, 6)
+    scales.append((opt.loss_scale, opt.clean_steps))
+    model, opt = make(1, param_dtype=torch.float16, loss_scale=64.0)  # static: the number passed, kept
+    zero.load_checkpoint(path, model, opt)
+    return saved, scales, opt.loss_scale
+
+
+@pytest.mark.xdist_group("world1")
+def test_a_resumed_loss_scale_grows_under_the_new_settings_and_a_static_one_is_kept(world, tmp_path):
+    (saved, scales, static), = world(1).run(on_rank_resume_with_other_loss_scale_settings, str(tmp_path / "ckpt"))
+    print("saved (scale, clean steps):", saved, "resumed, then after 3 steps:", scales, "static:", static)
+    assert saved == (2.0**10, 3), saved  # three clean steps under growth_interval=100
+    assert scales == [(2.0**10, 3), (2.0**12, 0)], scales  # grown at the first step (4 >= 2), then 2 steps on
+    assert static == 64.0, static
+
+
 def on_rank_resume_with_a_parameter_not_yet_stepped(path, stage):
     """helpers.Net's `rarely` is unused in step 0, so AdamW has no state for it when step 1's
     checkpoint is saved; resumed, its first step must start that state as the uninterrupted run does."""
@@ -145,20 +172,25 @@ def test_resume_when_a_parameter_had_no_optimizer_state_yet(world, tmp_path, sta
 
 def on_rank_save_unloadable_extra(path):
     model, opt = make(1)
-    try:
-        zero.save_checkpoint(path, model, opt, args=argparse.Namespace(lr=1e-2))
-        return "no error"
-    except RuntimeError as e:
-        return str(e)
+    errors = []
+    for extra in [{"args": argparse.Namespace(lr=1e-2)}, {"step": 1, "schedule": (lambda step: 1.0)}]:
+        try:
+            zero.save_checkpoint(path, model, opt, **extra)
+            errors.append("no error")
+        except RuntimeError as e:
+            errors.append(str(e))
+    return errors
 
 
 @pytest.mark.xdist_group("world2")
 def test_extra_that_cannot_be_loaded_back_is_refused_at_save(world, tmp_path):
     """load_checkpoint reads with torch.load(weights_only=True): an argparse.Namespace in extra
-    would save and then never load."""
-    for error in world(2).run(on_rank_save_unloadable_extra, str(tmp_path / "ckpt")):
-        assert "extra args=Namespace could not be loaded back" in error and "vars(args)" in error, error
-    assert not (tmp_path / "ckpt").exists()
+    would save and then never load, and a lambda cannot be saved at all; either is named, and the
+    failed save leaves no directory behind, not even path.partial."""
+    for namespace, function in world(2).run(on_rank_save_unloadable_extra, str(tmp_path / "ckpt")):
+        assert "extra args=Namespace could not be loaded back" in namespace and "vars(args)" in namespace, namespace
+        assert "extra schedule=function cannot be saved" in function and "plain values" in function, function
+    assert os.listdir(tmp_path) == []
 
 
 def on_rank_rng_is_restored(path):
@@ -696,22 +728,25 @@ def on_rank_crash_while_saving(path, new_path):
         refused = "loaded"
     except zero.CheckpointError as e:
         refused = str(e)
-    if dist.get_rank() == 0:  # and a file an earlier save at more ranks left there
+    dist.barrier()
+    partial_left = os.path.exists(new_path + ".partial")  # the failed save removed what it wrote
+    if dist.get_rank() == 0:  # a directory a killed save at more ranks left there
+        os.mkdir(new_path + ".partial")
         (pathlib.Path(new_path + ".partial") / "rank2.weights.bin").write_bytes(b"stale")
     dist.barrier()
     zero.save_checkpoint(new_path, model, opt)  # saved again: the directory holds this save's files only
     manifest = json.loads((pathlib.Path(new_path) / "manifest.json").read_text())
     extra = sorted(set(os.listdir(new_path)) - set(manifest["files"]) - {"manifest.json"})
     zero.load_checkpoint(path, model, opt)
-    return crashed, refused, differences(want, full_state(model)), extra
+    return crashed, refused, partial_left, differences(want, full_state(model)), extra
 
 
 @pytest.mark.xdist_group("world2")
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_loadable(world, tmp_path):
-    for crashed, refused, differing, extra in world(2).run(on_rank_crash_while_saving, str(tmp_path / "old"),
-                                                            str(tmp_path / "new")):
+    for crashed, refused, partial_left, differing, extra in world(2).run(
+            on_rank_crash_while_saving, str(tmp_path / "old"), str(tmp_path / "new")):
         assert "rank 1: ZeroDivisionError" in crashed, crashed
-        assert "does not exist" in refused, refused  # only new.partial was written
+        assert "does not exist" in refused and not partial_left, (refused, partial_left)
         assert differing == [] and extra == [], (differing, extra)
     assert sorted(os.listdir(tmp_path)) == ["new", "old"]  # the retry's new.partial became new
 

@@ -580,8 +580,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if loss_scale is None and precision.param_dtype == torch.float16:
             loss_scale = DynamicLossScale()
         # a number: a static scale, never grown or backed off (a step that overflows is still skipped)
+        self.static_scale = isinstance(loss_scale, (int, float))
         self.scaler = DynamicLossScale(loss_scale, growth_interval=2**62, backoff_factor=1.0, min_scale=0.0) \
-            if isinstance(loss_scale, (int, float)) else loss_scale
+            if self.static_scale else loss_scale
         self.loss_scale = self.scaler.init_scale if self.scaler else 1.0
         gradients.require_scaled_backward = self.scaler is not None
         self.clean_steps, self.norm_plan = 0, None
@@ -820,7 +821,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._free_grads()
         if self.scaler:  # grown after growth_interval clean steps, once this step's gradients are unscaled
             self.clean_steps += 1
-            if self.clean_steps == self.scaler.growth_interval:
+            if self.clean_steps >= self.scaler.growth_interval:  # (>: counted under a longer interval, resumed)
                 self.loss_scale, self.clean_steps = self.loss_scale * self.scaler.growth_factor, 0
         if self.master is not None:  # fp32 master -> the 16-bit parameters
             self.parameters.copy_owned(self.owned, self.master)
@@ -2325,14 +2326,20 @@ def save_checkpoint(path, model, optimizer, **extra):
     everyone = [None] * part.nd
     dist.all_gather_object(everyone, (error, {} if error else files), group=group)  # files: name -> [bytes, sha256]
     if any(err for err, _ in everyone):
+        if part.rank == 0:  # every rank is done writing into it
+            shutil.rmtree(partial, ignore_errors=True)
         raise RuntimeError(f"saving {path} failed, the checkpoint was not written: "
                            f"{'; '.join(err for err, _ in everyone if err)}")
 
     def publish():
         manifest.update(format=FORMAT, torch=torch.__version__, nd=part.nd, state_keys=keys, state_keys_of=keys_of,
                         files={name: digest for _, f in everyone for name, digest in f.items()})
-        (partial / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        os.replace(partial, path)  # atomic: the checkpoint appears whole or not at all
+        try:
+            (partial / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            os.replace(partial, path)  # atomic: the checkpoint appears whole or not at all
+        except BaseException:  # (a full disk): no partial copy of the model is left behind
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
 
     _on_rank0(group, f"saving {path}", publish)
 
@@ -2365,7 +2372,11 @@ def _persistent_buffers(model):
 def _loadable(value, what):
     """Raise unless torch.load(weights_only=True), as load_checkpoint reads, gives `value` back."""
     buffer = io.BytesIO()
-    torch.save(value, buffer)
+    try:
+        torch.save(value, buffer)
+    except Exception as e:  # a lambda, a lock
+        raise TypeError(f"{what} cannot be saved ({type(e).__name__}: {e}): save plain values (numbers, strings, "
+                        f"tensors, and lists and dicts of them)") from e
     buffer.seek(0)
     try:
         torch.load(buffer, weights_only=True)
@@ -2482,8 +2493,9 @@ def load_checkpoint(path, model, optimizer):
                      f"{saved.get(n, 'not')} saved"
                      for n in sorted(set(saved) | set(here)) if saved.get(n) != here.get(n)]
     except Exception as e:
-        problems.append(f"rank{part.rank % manifest['nd']}.rest.pt, rank0.rest.pt or scalars.pt cannot be read: "
-                        f"{type(e).__name__}: {str(e).splitlines()[0]}")
+        files = list(dict.fromkeys([f"rank{part.rank % manifest['nd']}.rest.pt", "rank0.rest.pt"]))  # (once each)
+        problems.append(f"{', '.join(files)} or scalars.pt cannot be read: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0]}")
     everyone = [None] * part.nd
     dist.all_gather_object(everyone, problems, group=part.group)
     problems = sorted({p for ps in everyone for p in ps})
@@ -2509,7 +2521,8 @@ def load_checkpoint(path, model, optimizer):
             opt.optim.state[w][key] = value.clone() if torch.is_tensor(value) else value
     for group, saved in zip(opt.param_groups, manifest["param_groups"]):
         group.update({k: _as_held(group.get(k), v) for k, v in saved.items() if k != "params"})
-    opt.loss_scale, opt.clean_steps = manifest["loss_scale"], manifest["clean_steps"]
+    if opt.scaler and not opt.static_scale:  # a dynamic scale goes on; a static one is the number passed
+        opt.loss_scale, opt.clean_steps = manifest["loss_scale"], manifest["clean_steps"]
     for name, b in live.items():
         b.copy_(buffers[name])
     if manifest["nd"] == part.nd:  # each rank its own random stream; at another Nd the streams differ
