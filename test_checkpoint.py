@@ -402,8 +402,12 @@ def damage(path, how):
         target.unlink()
     elif how == "missing manifest":
         (path / "manifest.json").unlink()
-    elif how == "damaged manifest":  # the manifest holds no checksum of its own
+    elif how == "damaged manifest":  # no longer JSON
         (path / "manifest.json").write_text((path / "manifest.json").read_text()[:-20])
+    elif how == "edited manifest":  # JSON still, one digit of an offset changed: its sha256 catches it
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["params"][1]["offset"] += 1
+        (path / "manifest.json").write_text(json.dumps(manifest))
     elif how == "another format":
         manifest = json.loads((path / "manifest.json").read_text())
         (path / "manifest.json").write_text(json.dumps({**manifest, "format": 99}))
@@ -412,6 +416,7 @@ def damage(path, how):
         manifest = json.loads((path / "manifest.json").read_text())
         with open(path / "rank1.rest.pt", "rb") as f:
             manifest["files"]["rank1.rest.pt"] = [os.path.getsize(f.name), hashlib.file_digest(f, "sha256").hexdigest()]
+        manifest["sha256"] = zero._manifest_digest(manifest)  # sealed again, as a save writing that file would
         (path / "manifest.json").write_text(json.dumps(manifest))
     return str(path)
 
@@ -430,6 +435,7 @@ BROKEN = {
     "truncated": ({"stage": 3}, "truncated"), "flipped byte": ({"stage": 3}, "checksum mismatch"),
     "missing rank file": ({"stage": 3}, "missing"), "missing manifest": ({"stage": 3}, "not a checkpoint"),
     "damaged manifest": ({"stage": 3}, "manifest.json cannot be read"),
+    "edited manifest": ({"stage": 3}, "manifest.json was changed or damaged"),
     "another format": ({"stage": 3}, "has format 99; this zero.py reads formats 2 and 3"),
     "another model": ({"stage": 3, "config": GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=4,
                                                         n_embd=32)}, "another model: h.2.ln_1.weight"),
@@ -689,6 +695,7 @@ def on_rank_format_2_still_loads(path):
             manifest["files"][old] = [os.path.getsize(directory / old),
                                       hashlib.sha256((directory / old).read_bytes()).hexdigest()]
         manifest["format"] = 2
+        del manifest["sha256"]  # (format 2 had no digest of the manifest)
         (directory / "manifest.json").write_text(json.dumps(manifest))
     dist.barrier()
     train(model, opt, 1, 2)  # away from the saved state

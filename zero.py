@@ -2334,6 +2334,7 @@ def save_checkpoint(path, model, optimizer, **extra):
     def publish():
         manifest.update(format=FORMAT, torch=torch.__version__, nd=part.nd, state_keys=keys, state_keys_of=keys_of,
                         files={name: digest for _, f in everyone for name, digest in f.items()})
+        manifest["sha256"] = _manifest_digest(manifest)
         try:
             (partial / "manifest.json").write_text(json.dumps(manifest, indent=1))
             os.replace(partial, path)  # atomic: the checkpoint appears whole or not at all
@@ -2655,9 +2656,19 @@ def _read_manifest(path):
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}/manifest.json cannot be read ({e}): the checkpoint is damaged; load an "
                               f"earlier one") from None
-    if manifest.get("format") not in (2, FORMAT):
-        raise CheckpointError(f"{path} has format {manifest.get('format')}; this zero.py reads formats 2 and {FORMAT}")
+    if not isinstance(manifest, dict) or manifest.get("format") not in (2, FORMAT):
+        raise CheckpointError(f"{path} has format {manifest.get('format') if isinstance(manifest, dict) else None}; "
+                              f"this zero.py reads formats 2 and {FORMAT}")
+    if manifest.get("sha256", _manifest_digest(manifest)) != _manifest_digest(manifest):  # (older: none)
+        raise CheckpointError(f"{path}/manifest.json was changed or damaged (its sha256 differs from the one saved "
+                              f"in it), so the layout it gives cannot be trusted: load an earlier checkpoint")
     return manifest
+
+
+def _manifest_digest(manifest):
+    """sha256 of the manifest without its own digest: a byte changed anywhere in it (an offset) is caught."""
+    body = json.dumps({k: v for k, v in manifest.items() if k != "sha256"}, sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()
 
 
 def _damage(file, size, digest):
