@@ -2656,10 +2656,10 @@ def _read_manifest(path):
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}/manifest.json cannot be read ({e}): the checkpoint is damaged; load an "
                               f"earlier one") from None
-    if not isinstance(manifest, dict) or manifest.get("format") not in (2, FORMAT):
-        raise CheckpointError(f"{path} has format {manifest.get('format') if isinstance(manifest, dict) else None}; "
-                              f"this zero.py reads formats 2 and {FORMAT}")
-    if manifest.get("sha256", _manifest_digest(manifest)) != _manifest_digest(manifest):  # (older: none)
+    version = manifest.get("format") if isinstance(manifest, dict) else None
+    if version not in (2, FORMAT):
+        raise CheckpointError(f"{path} has format {version}; this zero.py reads formats 2 and {FORMAT}")
+    if "sha256" in manifest and manifest["sha256"] != _manifest_digest(manifest):  # (saved before it had one: none)
         raise CheckpointError(f"{path}/manifest.json was changed or damaged (its sha256 differs from the one saved "
                               f"in it), so the layout it gives cannot be trusted: load an earlier checkpoint")
     return manifest
