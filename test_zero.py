@@ -9,6 +9,7 @@ returns a list of mismatches, empty when everything agreed.
 import copy
 import dataclasses
 import datetime
+import functools
 import gc
 import itertools
 import math
@@ -2590,6 +2591,10 @@ def on_rank_bad_inputs():
         "fused=True optimizers are not layout invariant": lambda: (lambda m: zero.initialize(
             m, torch.optim.AdamW, stage=1, param_groups=[{"params": m.parameters(), "fused": True}]))(nn.Linear(2, 2)),
         "LBFGS cannot be sharded exactly": lambda: zero.initialize(nn.Linear(2, 2), torch.optim.LBFGS, stage=1),
+        "^LBFGS cannot be sharded exactly": lambda: zero.initialize(
+            nn.Linear(2, 2), functools.partial(torch.optim.LBFGS, history_size=5), stage=1),
+        "wrapped in DistributedDataParallel.* pass the module inside, ddp.module": lambda: zero.initialize(
+            DDP(nn.Linear(2, 2)), torch.optim.AdamW, stage=1),
         "int64: ZeRO shards floating-point parameters only": lambda: zero.initialize(
             _with_int_param(), torch.optim.AdamW, stage=1),
         "group must be a torch.distributed.ProcessGroup": lambda: zero.initialize(
@@ -2764,6 +2769,29 @@ def _with_int_param():
     m = nn.Linear(2, 2)
     m.count = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
     return m
+
+
+def on_rank_partial_optimizer(stage):
+    """An optimizer given as functools.partial(class, **options) (a config system's habit) steps as the
+    class with those options as keywords. It was refused as "SGD cannot be sharded exactly"."""
+    weights = []
+    for optimizer, options in [(functools.partial(torch.optim.SGD, momentum=0.9), {}),
+                               (torch.optim.SGD, {"momentum": 0.9})]:
+        torch.manual_seed(0)
+        model, opt = zero.initialize(nn.Linear(4, 3), optimizer, stage=stage, lr=0.1, **options)
+        for step in range(3):
+            model(torch.randn(2, 4)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        weights.append(zero.full_state_dict(model))
+    return all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1]) and "momentum_buffer" in str(
+        zero.full_optimizer_state(model))
+
+
+@pytest.mark.xdist_group("world1")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_optimizer_given_as_a_partial_steps_as_its_class(world, stage):
+    assert world(1).run(on_rank_partial_optimizer, stage) == [True]
 
 
 @pytest.mark.xdist_group("world1")

@@ -1548,8 +1548,8 @@ class ShardedParameters:
         high, low = ids.tolist()
         if high != -low:
             raise RuntimeError(f"stage 3: ranks gather different modules at the same point (rank "
-                               f"{self.partition.rank}: {self.names[g]}; others: {self.names[high]} or "
-                               f"{self.names[-low]}): {rule}")
+                               f"{self.partition.rank}: {self.names[g]}; first and last in module order over the "
+                               f"ranks: {self.names[-low]}, {self.names[high]}): {rule}")
 
     def _wait_gathered(self, g):
         """Wait for group g's all-gathers, each leaving in_flight as it ends (an interrupt leaves the rest to
@@ -2105,12 +2105,16 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     if any(getattr(m.__dict__.get("_apply"), "func", None) is _refuse_conversion for m in module.modules()):
         raise ValueError("this module (or one inside it, or around it) was already sharded by zero.initialize: keep "
                          "the model and optimizer it returned, or build a fresh module")
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError("module is wrapped in DistributedDataParallel, whose reducer would all-reduce every gradient "
+                        "again beside zero's reduction (and keep 4Ψ of buckets): pass the module inside, ddp.module")
     if isinstance(optimizer_class, torch.optim.Optimizer):
         raise TypeError(f"pass the optimizer class, not an instance: zero.initialize(module, "
                         f"torch.optim.{type(optimizer_class).__name__}, stage=..., lr=...), its arguments as keywords")
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE_OPTIMIZERS)):
+    cls = optimizer_class.func if isinstance(optimizer_class, functools.partial) else optimizer_class  # (its options)
+    if not (isinstance(cls, type) and issubclass(cls, ELEMENTWISE_OPTIMIZERS)):
         names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-        raise ValueError(f"{getattr(optimizer_class, '__name__', optimizer_class)} cannot be sharded exactly: "
+        raise ValueError(f"{getattr(cls, '__name__', cls)} cannot be sharded exactly: "
                          f"ZeRO splits the update across ranks, exact only for elementwise optimizers ({names})")
     if optimizer_kwargs.get("fused") or any(g.get("fused") for g in param_groups or ()):
         raise ValueError("fused=True optimizers are not layout invariant (a shard updates to other bits "
@@ -2383,7 +2387,8 @@ def _loadable(value, what):
         torch.load(buffer, weights_only=True)
     except pickle.UnpicklingError as e:
         raise TypeError(f"{what} could not be loaded back (load_checkpoint reads with torch.load(weights_only="
-                        f"True)): save plain values, e.g. vars(args) for an argparse.Namespace") from e
+                        f"True)): save plain values, e.g. vars(args) for an argparse.Namespace, s.state_dict() for "
+                        f"a scheduler") from e
 
 
 def _raw(t):
