@@ -116,16 +116,35 @@ def on_rank_resume_with_other_loss_scale_settings(path):
     scales.append((opt.loss_scale, opt.clean_steps))
     model, opt = make(1, param_dtype=torch.float16, loss_scale=64.0)  # static: the number passed, kept
     zero.load_checkpoint(path, model, opt)
-    return saved, scales, opt.loss_scale
+    static = opt.loss_scale
+    model, opt = make(1, param_dtype=torch.float16, loss_scale=zero.DynamicLossScale(16.0, growth_interval=0))
+    train(model, opt, 0, 3)  # an interval below 1 never grows, as torch.amp.GradScaler's
+    return saved, scales, static, opt.loss_scale
 
 
 @pytest.mark.xdist_group("world1")
 def test_a_resumed_loss_scale_grows_under_the_new_settings_and_a_static_one_is_kept(world, tmp_path):
-    (saved, scales, static), = world(1).run(on_rank_resume_with_other_loss_scale_settings, str(tmp_path / "ckpt"))
+    (saved, scales, static, never), = world(1).run(on_rank_resume_with_other_loss_scale_settings,
+                                                   str(tmp_path / "ckpt"))
     print("saved (scale, clean steps):", saved, "resumed, then after 3 steps:", scales, "static:", static)
     assert saved == (2.0**10, 3), saved  # three clean steps under growth_interval=100
     assert scales == [(2.0**10, 3), (2.0**12, 0)], scales  # grown at the first step (4 >= 2), then 2 steps on
-    assert static == 64.0, static
+    assert static == 64.0 and never == 16.0, (static, never)
+
+
+def on_rank_option_with_int_keys(path):
+    """A param_group option JSON cannot hold as it is (a dict with int keys comes back with str keys):
+    the manifest's own sha256 is of its JSON form, so the checkpoint it belongs to loads."""
+    model, opt = make(1)
+    opt.param_groups[0]["tags"] = {2: "a", 10: "b"}
+    zero.save_checkpoint(path, model, opt)
+    zero.load_checkpoint(path, model, opt)
+    return "loaded"
+
+
+@pytest.mark.xdist_group("world1")
+def test_a_checkpoint_whose_options_json_rewrites_loads(world, tmp_path):
+    assert world(1).run(on_rank_option_with_int_keys, str(tmp_path / "ckpt")) == ["loaded"]
 
 
 def on_rank_resume_with_a_parameter_not_yet_stepped(path, stage):
@@ -656,6 +675,7 @@ def test_a_save_that_fails_on_rank_0_alone_fails_on_every_rank(world, tmp_path):
                              ("manifest", tmp_path / "ckpt", "rank 0: ZeroDivisionError")]:
         for error in world(2).run(on_rank_save_fails_on_rank_0, str(path), where, timeout=60):
             assert "the checkpoint was not written" in error and why in error, error
+        assert not pathlib.Path(f"{path}.partial").exists()  # (every rank's files were in it)
 
 
 def on_rank_pending_gradients(path):
@@ -737,6 +757,7 @@ def on_rank_crash_while_saving(path, new_path):
         refused = str(e)
     dist.barrier()
     partial_left = os.path.exists(new_path + ".partial")  # the failed save removed what it wrote
+    dist.barrier()  # (every rank has looked before rank 0 makes one below)
     if dist.get_rank() == 0:  # a directory a killed save at more ranks left there
         os.mkdir(new_path + ".partial")
         (pathlib.Path(new_path + ".partial") / "rank2.weights.bin").write_bytes(b"stale")

@@ -1360,6 +1360,59 @@ def test_stage3_prefetches_the_next_unit_whatever_its_size(world):
         # Linear in backward
 
 
+class Stack(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(n))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, order):
+        for i in order:
+            x = self.blocks[i](x)
+        return self.head(x)
+
+
+def on_rank_units_other_than_the_first_forwards(stage):
+    """Steps that run other units than the first forward, the same on every rank (layer drop, reversed):
+    the most groups gathered at once in each step, and the weights."""
+    torch.manual_seed(0)
+    net = Stack(8)
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1,
+                                 **({"stage3_units": net.blocks} if stage == 3 else {}))
+    peak, peaks = [0], []
+    if stage == 3:
+        params, gather = opt.parameters, opt.parameters._gather
+
+        def counting_gather(gids, prefetch=False):
+            result = gather(gids, prefetch)
+            peak[0] = max(peak[0], sum(params._gathered(g) for g in range(len(params.groups))))
+            return result
+
+        params._gather = counting_gather
+    full = list(range(8))
+    for step, order in enumerate([full, full, full[::2], full[::-1], full[1::2], full]):
+        peak[0] = 0
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        model(x, order).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        peaks.append(peak[0])
+    return peaks, {name: t.tolist() for name, t in zero.full_state_dict(model).items()}
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage3_frees_what_it_gathered_ahead_for_units_a_step_skips(world):
+    """Prefetching follows the first forward's order. A step that skipped every other block held each
+    block gathered ahead for it to the end of forward (and again in backward): 5 groups at once of 9;
+    a reversed step gathered again the blocks it had done with, and held them: all 9. Now what a step
+    is done with is not gathered ahead again, and what was gathered for a unit it went by is freed as
+    the next starts: 3 at most. The weights are stage 0's."""
+    (peaks, weights), _ = world(2).run(on_rank_units_other_than_the_first_forwards, 3)
+    (_, want), _ = world(2).run(on_rank_units_other_than_the_first_forwards, 0)
+    print("most groups gathered at once, per step (full, full, even, reversed, odd, full):", peaks)
+    assert max(peaks) <= 3 and weights == want, peaks
+
+
 def on_rank_stage3_after_uneven_groups():
     """World 3: a group of ranks 0 and 1 (every rank makes it; rank 2 is not in it) trains a
     stage-3 model, then a stage-3 model and a stage-0 one over the world: losses of 2 steps each."""
@@ -2593,6 +2646,8 @@ def on_rank_bad_inputs():
         "LBFGS cannot be sharded exactly": lambda: zero.initialize(nn.Linear(2, 2), torch.optim.LBFGS, stage=1),
         "^LBFGS cannot be sharded exactly": lambda: zero.initialize(
             nn.Linear(2, 2), functools.partial(torch.optim.LBFGS, history_size=5), stage=1),
+        "fused=True optimizers are not layout invariant": lambda: zero.initialize(
+            nn.Linear(2, 2), functools.partial(torch.optim.AdamW, fused=True), stage=1),
         "wrapped in DistributedDataParallel.* pass the module inside, ddp.module": lambda: zero.initialize(
             DDP(nn.Linear(2, 2)), torch.optim.AdamW, stage=1),
         "int64: ZeRO shards floating-point parameters only": lambda: zero.initialize(

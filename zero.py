@@ -821,7 +821,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._free_grads()
         if self.scaler:  # grown after growth_interval clean steps, once this step's gradients are unscaled
             self.clean_steps += 1
-            if self.clean_steps >= self.scaler.growth_interval:  # (>: counted under a longer interval, resumed)
+            # (>: counted under a longer interval, then resumed; an interval below 1 never grows, as in GradScaler)
+            if 0 < self.scaler.growth_interval <= self.clean_steps:
                 self.loss_scale, self.clean_steps = self.loss_scale * self.scaler.growth_factor, 0
         if self.master is not None:  # fp32 master -> the 16-bit parameters
             self.parameters.copy_owned(self.owned, self.master)
@@ -1575,10 +1576,20 @@ class ShardedParameters:
 
     def _prefetch(self, gids, step):
         """Gather the next units (the first forward's order; reversed in backward) as this one starts, so a
-        small module between two blocks does not leave the next block's gather exposed."""
+        small module between two blocks does not leave the next block's gather exposed. Where a step runs other
+        units than the first forward (layer drop, another expert, another order), a group this pass is done with
+        is not gathered again, and one gathered ahead for a unit the pass went by is freed, not held to its end."""
         k = self.unit_position.get(id(gids))
-        for ahead in self._ahead(k, step) if k is not None else ():
-            self._gather(ahead, prefetch=True)
+        if k is None:
+            return
+        units = [[g for g in unit if g not in self.finished and g not in gids] for unit in self._ahead(k, step)]
+        ahead = {g for unit in units for g in unit}
+        for g in self.ahead.difference(ahead, gids, self.shared, self._kept()):
+            if self.refcount[g] == 0:  # (not a module running around this one)
+                self._free(g)
+        self.ahead = ahead
+        for unit in units:
+            self._gather(unit, prefetch=True)
 
     def _ahead(self, k, step):
         """The units after position k of the order (step +1; before it: -1), up to `prefetch` times the largest
@@ -1642,6 +1653,7 @@ class ShardedParameters:
         if not self.gradients.in_backward:  # recomputed in backward (P_a): backward frees what its modules held
             kept = self._kept()
             self._release([g for g in range(len(self.groups)) if g not in kept])
+            self.ahead, self.finished = set(), set()
 
     def _learn_order(self):
         """The units' order, from the first forward that ran to its end, and the tail: the groups backward gathers
@@ -1663,6 +1675,7 @@ class ShardedParameters:
         for g in gids:
             self.refcount[g] += 1
         self._gather(gids)
+        self.ahead.difference_update(gids)  # used, no longer ahead (see _prefetch)
         if not self.warned_autocast:
             self._warn_autocast()
         if not self.order_known and id(gids) not in self.unit_position:
@@ -1698,7 +1711,9 @@ class ShardedParameters:
         for g in gids:
             self.refcount[g] -= 1
         if not self.gradients.in_backward:  # a forward recomputed in backward (P_a) keeps them for backward
-            self._release([g for g in gids if g not in self.shared and g not in self._kept()])
+            done = [g for g in gids if g not in self.shared and g not in self._kept() and self.refcount[g] == 0]
+            self._release(done)
+            self.finished.update(done)
         if torch.is_grad_enabled():  # gather again when backward reaches this module
             self._hook_backward(gids, out, call)
         return out
@@ -1801,8 +1816,10 @@ class ShardedParameters:
         """Done with g: all its gradients in, and the inputs' gradients of every call with a frozen parameter."""
         if self._grads_left()[g] <= 0 and self.inputs_left[g] == 0 and not self.pinned[g]:
             self._free(g)
+            self.finished.add(g)
 
     def _new_backward(self):
+        self.ahead, self.finished = set(), set()  # groups gathered ahead and not yet used; done with (see _prefetch)
         self.grads_left = None
         self.inputs_left = [0] * len(self.groups)  # calls reached whose inputs' gradients are to come
         self.pinned = [False] * len(self.groups)  # kept to the end of backward (see _watch_inputs, _PINNED)
@@ -2116,7 +2133,8 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
         names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
         raise ValueError(f"{getattr(cls, '__name__', cls)} cannot be sharded exactly: "
                          f"ZeRO splits the update across ranks, exact only for elementwise optimizers ({names})")
-    if optimizer_kwargs.get("fused") or any(g.get("fused") for g in param_groups or ()):
+    if {**getattr(optimizer_class, "keywords", {}), **optimizer_kwargs}.get("fused") or \
+            any(g.get("fused") for g in param_groups or ()):
         raise ValueError("fused=True optimizers are not layout invariant (a shard updates to other bits "
                          "than the whole tensor): use fused=False, or foreach=True for speed")
     for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
@@ -2305,14 +2323,14 @@ def save_checkpoint(path, model, optimizer, **extra):
     _on_rank0(group, f"saving {path}", make_partial)
     files, (keys, scalars, keys_of), error = {}, opt._all_states(), None
     try:
+        for key, value in extra.items():
+            _loadable(value, f"extra {key}={type(value).__name__}")
         for key in ["weights"] + keys:  # (shard_numel,): bucket k's chunk at own_k
             name = f"rank{part.rank}.{key}.bin"
             with open(partial / name, "wb") as f:
                 for k in range(len(part.buckets)):
                     _raw(opt._saved_chunk(key, k)).tofile(f)
             _seal(partial, files, name)
-        for key, value in extra.items():
-            _loadable(value, f"extra {key}={type(value).__name__}")
         buffers = _persistent_buffers(model)
         rest = f"rank{part.rank}.rest.pt"
         files[rest] = {"rng": torch.get_rng_state(), "extra": extra, "buffers": buffers, "persistent": list(buffers)}
@@ -2336,10 +2354,10 @@ def save_checkpoint(path, model, optimizer, **extra):
                            f"{'; '.join(err for err, _ in everyone if err)}")
 
     def publish():
-        manifest.update(format=FORMAT, torch=torch.__version__, nd=part.nd, state_keys=keys, state_keys_of=keys_of,
-                        files={name: digest for _, f in everyone for name, digest in f.items()})
-        manifest["sha256"] = _manifest_digest(manifest)
         try:
+            manifest.update(format=FORMAT, torch=torch.__version__, nd=part.nd, state_keys=keys,
+                            state_keys_of=keys_of, files={name: digest for _, f in everyone for name, digest in f.items()})
+            manifest["sha256"] = _manifest_digest(manifest)
             (partial / "manifest.json").write_text(json.dumps(manifest, indent=1))
             os.replace(partial, path)  # atomic: the checkpoint appears whole or not at all
         except BaseException:  # (a full disk): no partial copy of the model is left behind
@@ -2419,7 +2437,7 @@ def _layout(opt, model):
                 param_groups=[{**{k: _as_json(v) for k, v in g.items() if k != "params"},
                                "params": [names[p] for p in members]}
                               for g, members in zip(opt.optim.param_groups, opt.group_members)],
-                loss_scale=opt.loss_scale, clean_steps=opt.clean_steps, tp=_tp_slice(opt))
+                loss_scale=opt.loss_scale if opt.scaler else None, clean_steps=opt.clean_steps, tp=_tp_slice(opt))
 
 
 def _tp_slice(opt):
@@ -2527,7 +2545,8 @@ def load_checkpoint(path, model, optimizer):
             opt.optim.state[w][key] = value.clone() if torch.is_tensor(value) else value
     for group, saved in zip(opt.param_groups, manifest["param_groups"]):
         group.update({k: _as_held(group.get(k), v) for k, v in saved.items() if k != "params"})
-    if opt.scaler and not opt.static_scale:  # a dynamic scale goes on; a static one is the number passed
+    # a dynamic scale goes on where one was saved; a static one is the number passed
+    if opt.scaler and not opt.static_scale and manifest["loss_scale"] is not None:
         opt.loss_scale, opt.clean_steps = manifest["loss_scale"], manifest["clean_steps"]
     for name, b in live.items():
         b.copy_(buffers[name])
@@ -2671,9 +2690,10 @@ def _read_manifest(path):
 
 
 def _manifest_digest(manifest):
-    """sha256 of the manifest without its own digest: a byte changed anywhere in it (an offset) is caught."""
-    body = json.dumps({k: v for k, v in manifest.items() if k != "sha256"}, sort_keys=True)
-    return hashlib.sha256(body.encode()).hexdigest()
+    """sha256 of the manifest without its own digest: a byte changed anywhere in it (an offset) is caught. Taken
+    of its JSON form, as load reads it back (an option's int keys come back strings)."""
+    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k != "sha256"}))
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _damage(file, size, digest):
