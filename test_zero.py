@@ -1361,22 +1361,28 @@ def test_stage3_prefetches_the_next_unit_whatever_its_size(world):
 
 
 class Stack(nn.Module):
-    def __init__(self, n):
+    """Blocks run in the order given. scaled: a parameter of the root's own makes the root a group,
+    gathered for all of forward and, in backward, from when backward reaches it to its end."""
+
+    def __init__(self, n, scaled):
         super().__init__()
+        self.scale = nn.Parameter(torch.ones(8)) if scaled else None
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(n))
         self.head = nn.Linear(8, 1)
 
     def forward(self, x, order):
+        if self.scale is not None:
+            x = x * self.scale
         for i in order:
             x = self.blocks[i](x)
         return self.head(x)
 
 
-def on_rank_units_other_than_the_first_forwards(stage):
+def on_rank_units_other_than_the_first_forwards(stage, scaled):
     """Steps that run other units than the first forward, the same on every rank (layer drop, reversed):
     the most groups gathered at once in each step, and the weights."""
     torch.manual_seed(0)
-    net = Stack(8)
+    net = Stack(8, scaled)
     model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1,
                                  **({"stage3_units": net.blocks} if stage == 3 else {}))
     peak, peaks = [0], []
@@ -1401,16 +1407,20 @@ def on_rank_units_other_than_the_first_forwards(stage):
 
 
 @pytest.mark.xdist_group("world2")
-def test_stage3_frees_what_it_gathered_ahead_for_units_a_step_skips(world):
+@pytest.mark.parametrize("scaled", [False, True], ids=["blocks", "root parameter"])
+def test_stage3_frees_what_it_gathered_ahead_for_units_a_step_skips(world, scaled):
     """Prefetching follows the first forward's order. A step that skipped every other block held each
     block gathered ahead for it to the end of forward (and again in backward): 5 groups at once of 9;
     a reversed step gathered again the blocks it had done with, and held them: all 9. Now what a step
     is done with is not gathered ahead again, and what was gathered for a unit it went by is freed as
-    the next starts: 3 at most. The weights are stage 0's."""
-    (peaks, weights), _ = world(2).run(on_rank_units_other_than_the_first_forwards, 3)
-    (_, want), _ = world(2).run(on_rank_units_other_than_the_first_forwards, 0)
+    the next starts: 3 at most. Only what a prefetch gathered and nothing used since is freed so: the
+    root's group (scaled), which a reversed backward reaches first and uses to its end, was freed by
+    an earlier version, its gradient then refused as read from a freed parameter; here it is one more
+    group held, as before. The weights are stage 0's."""
+    (peaks, weights), _ = world(2).run(on_rank_units_other_than_the_first_forwards, 3, scaled)
+    (_, want), _ = world(2).run(on_rank_units_other_than_the_first_forwards, 0, scaled)
     print("most groups gathered at once, per step (full, full, even, reversed, odd, full):", peaks)
-    assert max(peaks) <= 3 and weights == want, peaks
+    assert max(peaks) <= 3 + scaled and weights == want, peaks
 
 
 def on_rank_stage3_after_uneven_groups():

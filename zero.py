@@ -1583,9 +1583,10 @@ class ShardedParameters:
         if k is None:
             return
         units = [[g for g in unit if g not in self.finished and g not in gids] for unit in self._ahead(k, step)]
-        ahead = {g for unit in units for g in unit}
+        # ahead: what a prefetch gathered and nothing has used since (not a group backward reached and still uses)
+        ahead = {g for unit in units for g in unit if g in self.ahead or not self._gathered(g)}
         for g in self.ahead.difference(ahead, gids, self.shared, self._kept()):
-            if self.refcount[g] == 0:  # (not a module running around this one)
+            if self.refcount[g] == 0:  # (in forward: not a module running around this one)
                 self._free(g)
         self.ahead = ahead
         for unit in units:
@@ -1634,6 +1635,7 @@ class ShardedParameters:
             self.calls.clear()
             self._end_forward()
         self._release(self.tail)
+        self.ahead, self.finished = set(), set()  # (also where it stopped between two modules)
 
     def _start_reading(self):
         if not self.order_known and self.reads is None:
@@ -1774,6 +1776,7 @@ class ShardedParameters:
         if not self.gradients.in_backward:  # does it accumulate gradients (not autograd.grad(loss, x))?
             self.gradients.begin(self._accumulates())
         self._gather(gids)
+        self.ahead.difference_update(gids)  # used, no longer ahead (see _prefetch)
         if call is _PINNED:  # kept to the end of each backward that reaches it (see _watch_inputs)
             for g in gids:
                 self.pinned[g] = True
