@@ -2131,13 +2131,13 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     if isinstance(optimizer_class, torch.optim.Optimizer):
         raise TypeError(f"pass the optimizer class, not an instance: zero.initialize(module, "
                         f"torch.optim.{type(optimizer_class).__name__}, stage=..., lr=...), its arguments as keywords")
-    cls = optimizer_class.func if isinstance(optimizer_class, functools.partial) else optimizer_class  # (its options)
+    cls, options = (optimizer_class.func, optimizer_class.keywords) if isinstance(optimizer_class, functools.partial) \
+        else (optimizer_class, {})
     if not (isinstance(cls, type) and issubclass(cls, ELEMENTWISE_OPTIMIZERS)):
         names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
         raise ValueError(f"{getattr(cls, '__name__', cls)} cannot be sharded exactly: "
                          f"ZeRO splits the update across ranks, exact only for elementwise optimizers ({names})")
-    if {**getattr(optimizer_class, "keywords", {}), **optimizer_kwargs}.get("fused") or \
-            any(g.get("fused") for g in param_groups or ()):
+    if {**options, **optimizer_kwargs}.get("fused") or any(g.get("fused") for g in param_groups or ()):
         raise ValueError("fused=True optimizers are not layout invariant (a shard updates to other bits "
                          "than the whole tensor): use fused=False, or foreach=True for speed")
     for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
@@ -2358,8 +2358,8 @@ def save_checkpoint(path, model, optimizer, **extra):
 
     def publish():
         try:
-            manifest.update(format=FORMAT, torch=torch.__version__, nd=part.nd, state_keys=keys,
-                            state_keys_of=keys_of, files={name: digest for _, f in everyone for name, digest in f.items()})
+            manifest.update(format=FORMAT, torch=torch.__version__, nd=part.nd, state_keys=keys, state_keys_of=keys_of,
+                            files={name: digest for _, f in everyone for name, digest in f.items()})
             manifest["sha256"] = _manifest_digest(manifest)
             (partial / "manifest.json").write_text(json.dumps(manifest, indent=1))
             os.replace(partial, path)  # atomic: the checkpoint appears whole or not at all
