@@ -1423,6 +1423,70 @@ def test_stage3_frees_what_it_gathered_ahead_for_units_a_step_skips(world, scale
     assert max(peaks) <= 3 + scaled and weights == want, peaks
 
 
+def on_rank_buckets_held_where_parameters_get_no_gradient(stage, find_unused):
+    """Steps that leave parameters without a gradient, the same on every rank: the most gradient buckets
+    held at once (filling, or in reduction) in each backward, the losses and the weights."""
+    torch.manual_seed(0)
+    net = Stack(8, scaled=False)
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1, bucket_numel=80,  # (a bucket a block)
+                                 find_unused_parameters=find_unused,
+                                 **({"stage3_units": net.blocks} if stage == 3 else {}))
+    grads, held, peaks, losses = opt.gradients, [0], [], []
+    for p in model.parameters():  # run after zero's hook: what it left held
+        p.register_post_accumulate_grad_hook(
+            lambda p: held.__setitem__(0, max(held[0], len(grads.temporary) + len(grads.in_reduction))))
+    full = list(range(8))
+    steps = [full, full, full[:7], full[:3] + full[5:], full[1::2], "frozen after forward", "frozen", full]
+    for step, order in enumerate(steps):
+        held[0] = 0
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        if order == "frozen":  # frozen after zero.initialize, before the forward: no gradient edge in this forward
+            for p in net.blocks[7].parameters():
+                p.requires_grad_(False)
+        loss = model(x, full if isinstance(order, str) else order).square().mean()
+        if order == "frozen after forward":  # torch accumulates nothing, yet calls the hook
+            for p in net.blocks[7].parameters():
+                p.requires_grad_(False)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for p in net.blocks[7].parameters():
+            p.requires_grad_(True)
+        peaks.append(held[0])
+        losses.append(loss.item())
+    error = None
+    if find_unused:  # a parameter the forward's output does not reach, read by the loss
+        loss = model(x, full[:7]).square().mean() + net.blocks[7][0].bias.sum()
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            error = str(e)
+        opt.zero_grad()
+    return peaks, losses, {name: t.tolist() for name, t in zero.full_state_dict(model).items()}, error
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_find_unused_parameters_reduces_buckets_as_they_fill(world, stage):
+    """A parameter that gets no gradient in a backward was known only at that backward's end, so every
+    bucket after its own in the order was held until then: with the last block dropped, all of them (at
+    stages 2-3 up to the whole gradient). find_unused_parameters=True walks each forward's graph (DDP's
+    way), and the parameters it does not reach count as zeros from backward's start: at most 2 buckets
+    held, one filling and one in reduction, with the same bits. A parameter frozen before its forward
+    needs no walk; one frozen after its forward (its hook called with no gradient) raised AttributeError.
+    A gradient for a parameter the walk did not reach (read by the loss outside the forward) is refused."""
+    (peaks, losses, weights, error), _ = world(2).run(on_rank_buckets_held_where_parameters_get_no_gradient,
+                                                      stage, True)
+    (before, losses_before, weights_before, _), _ = world(2).run(
+        on_rank_buckets_held_where_parameters_get_no_gradient, stage, False)
+    (_, want_losses, want, _), _ = world(2).run(on_rank_buckets_held_where_parameters_get_no_gradient, 0, False)
+    print("most buckets held, per step (full, full, last dropped, 3-4 dropped, odd only, frozen after forward, "
+          f"frozen, full): {peaks}; without the walk {before}")
+    assert max(peaks) <= 2 and max(before[2:5]) > 4 and max(before[5:]) <= 2, (peaks, before)
+    assert losses == losses_before == want_losses and weights == weights_before == want  # stage 0's
+    assert error is not None and "find_unused_parameters=True took it as unused" in error, error
+
+
 def on_rank_stage3_after_uneven_groups():
     """World 3: a group of ranks 0 and 1 (every rank makes it; rank 2 is not in it) trains a
     stage-3 model, then a stage-3 model and a stage-0 one over the world: losses of 2 steps each."""

@@ -954,6 +954,7 @@ class GradientBuckets:
     def __init__(self, partition, precision, keep_full, replicate, on_grad, on_backward_end, name):
         """keep_full: stages 0-1; replicate: stage 0 (see finish). on_grad, on_backward_end: the parameters' hooks."""
         self.partition, self.precision, self.replicate, self.name = partition, precision, replicate, name
+        self.reached = None  # find_unused_parameters: the parameters the graph of forward reaches (see walk_graph)
         self.on_grad, self.on_backward_end = on_grad, on_backward_end
         self.n_trainable = sum(p.requires_grad for p in partition.params)
         device = partition.device
@@ -1006,6 +1007,7 @@ class GradientBuckets:
         self.used = [False] * self.n_trainable  # this rank's gradient arrived, this backward
         self.pending = [len(b.segments) for b in self.partition.buckets]  # gradients still to come, per bucket
         self.filled = []  # the buckets whose last gradient came, in that order
+        self.skipped = set()  # parameters taken as getting no gradient in this backward (see _skip_unreached)
         self.temporary, self.in_reduction = {}, []  # in_reduction: reductions not yet finished
         self.next = len(self.order) - 1
         self.in_backward, self.for_params = False, True  # (True: step() without a backward reduces zeros)
@@ -1030,6 +1032,7 @@ class GradientBuckets:
         if not for_params or self.for_params:
             return
         self.for_params = True  # (also when a gradient comes after all, as from a reentrant checkpoint's backward)
+        self._skip_unreached()
         if self.finished:  # it would miss the clip (and stage 0's all-gather)
             raise RuntimeError("backward after optimizer.clip_grad_norm_() (or clip_grad_value_()) in the same step: "
                                "clip after the step's last backward, just before step()")
@@ -1040,6 +1043,43 @@ class GradientBuckets:
                                f"around the model after zero.initialize (torch.compile's) clears only p.grad, which "
                                f"zero leaves None: call optimizer.zero_grad()")
 
+    def walk_graph(self, out):
+        """find_unused_parameters=True, after each forward of the whole module that builds a graph (DDP's walk): the
+        trainable parameters whose gradient edge the graph of its output reaches, added to those of other forwards
+        since the last backward. A reentrant checkpoint builds its graph in backward: then every one counts."""
+        nodes = [get_gradient_edge(t).node for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+                 and t.requires_grad]
+        if not nodes:  # (a forward under no_grad)
+            return
+        part, reached, seen = self.partition, self.reached or set(), set(nodes)
+        while nodes:
+            node = nodes.pop()
+            if node.name() == "CheckpointFunctionBackward":
+                reached.update(range(self.n_trainable))
+                break
+            if getattr(node, "variable", None) in part.index:  # an AccumulateGrad node: a leaf's
+                reached.add(part.index[node.variable])
+            nodes += [n for n, _ in node.next_functions if n is not None and n not in seen]
+            seen.update(nodes)
+        self.reached = reached
+
+    def _skip_unreached(self):
+        """At a backward's start, the parameters it cannot reach contribute zeros now, so that the buckets after theirs
+        in the order are reduced as they fill, not held to backward's end (stages 2-3: up to the whole gradient): one
+        frozen after zero.initialize, and (find_unused_parameters=True) one outside the graph of the forwards since
+        the last backward (a dropped layer, an expert no token chose)."""
+        reached, self.reached = self.reached, None
+        for i, p in enumerate(self.partition.params[:self.n_trainable]):
+            if not p.requires_grad or reached is not None and i not in reached:
+                self._skip(i)
+        self._reduce_ready_buckets()
+
+    def _skip(self, i):
+        """Parameter i gets no gradient in this backward: its segments are zeros, written as each bucket is reduced."""
+        self.skipped.add(i)
+        for k, lo, hi in self.partition.segments_of[i]:
+            self._one_more_in(k)
+
     def grad_ready(self, p):
         """Post-accumulate-grad hook: p's gradient for this backward is complete."""
         self.begin()
@@ -1049,6 +1089,14 @@ class GradientBuckets:
                                f"parameters (a GAN's generator loss through its discriminator), freeze {self.name} "
                                f"for it (requires_grad_(False)): its gradients would carry the other loss scale")
         part, i = self.partition, self.partition.index[p]
+        if p.grad is None:  # frozen after the forward that read it: torch accumulates nothing but calls the hook
+            return
+        if i in self.skipped:  # (find_unused_parameters: its bucket may be reduced already)
+            raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient though the graph of the forward "
+                               f"output did not reach it, so find_unused_parameters=True took it as unused: it is "
+                               f"read outside the model's forward (a loss reading model.head.weight, a tensor a module "
+                               f"keeps for the loss): return what it computes from the forward, or leave "
+                               f"find_unused_parameters off")
         if self.used[i]:  # its bucket may be reduced already: the second part would be lost
             raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient twice in one backward: a "
                                f"module called more than once inside torch.utils.checkpoint(use_reentrant=True) (or "
@@ -1074,8 +1122,11 @@ class GradientBuckets:
 
     def _reduce_ready_buckets(self):
         while self.next >= 0 and self.pending[self.order[self.next]] == 0:
-            k = self.order[self.next]
-            bucket = self._bucket(k).to(self.precision.reduce_dtype)
+            k, bucket = self.order[self.next], self._bucket(self.order[self.next])
+            for i, lo, hi in self.partition.buckets[k].segments if self.skipped else ():
+                if i in self.skipped:  # no gradient: zeros, as in DDP
+                    bucket[lo - self.partition.buckets[k].start:hi - self.partition.buckets[k].start].zero_()
+            bucket = bucket.to(self.precision.reduce_dtype)
             self.temporary.pop(k, None)
             self.in_reduction.append((k, self.partition.reduce_scatter(bucket, k)))
             while len(self.in_reduction) > 1:  # one in flight while backward computes the next
@@ -1094,14 +1145,12 @@ class GradientBuckets:
             return
         part = self.partition
         # whether gradients filled every bucket, before the zeros below (not step()'s zeros where no backward ran)
-        filled_all = self.in_backward and len(self.filled) == len(self.order)
+        filled_all = self.in_backward and len(self.filled) == len(self.order) and not self.skipped
         if filled_all and self.first_filled is None:
             self.first_filled = list(self.filled)
         for i in range(self.n_trainable):
-            if not self.used[i]:  # unused on this rank: it contributes zeros, as in DDP
-                for k, lo, hi in part.segments_of[i]:
-                    self._bucket(k)[lo - part.buckets[k].start:hi - part.buckets[k].start].zero_()
-                    self._one_more_in(k)
+            if not self.used[i] and i not in self.skipped:  # unused on this rank: it contributes zeros
+                self._skip(i)
         self._reduce_ready_buckets()
         while self.in_reduction:
             self._finish_reduction()
@@ -1963,13 +2012,14 @@ checkpoint_activations = ActivationCheckpointing
 #   stage 3  ShardedParameters (gathers per module)  GradientBuckets(reduced chunks only)  owns its chunks
 def initialize(module, optimizer_class, stage, group=None, param_groups=None, bucket_numel=None,
                param_dtype=None, reduce_dtype=None, loss_scale=None, stage3_units=None, prefetch=1,
-               reduction="exact", check_timeout=60, init_fn=None, device=None, tp_group=None, **optimizer_kwargs):
+               reduction="exact", check_timeout=60, init_fn=None, device=None, tp_group=None,
+               find_unused_parameters=False, **optimizer_kwargs):
     """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world) and
     return (module, optimizer): the same module, sharded and hooked, and the optimizer to step.
     Every rank starts from rank 0's weights (a module on meta: init_fn's, the same on every rank).
     docs/api.md describes every argument; in brief: bucket_numel is C_B, param_dtype/reduce_dtype/
     loss_scale 16-bit compute over an fp32 master (Section 3.1), init_fn/device a meta-built module,
-    tp_group Megatron's group (gpt.py)."""
+    tp_group Megatron's group (gpt.py), find_unused_parameters DDP's walk of each forward's graph."""
     param_groups = _groups(param_groups)
     _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
            loss_scale, prefetch, reduction, init_fn, device, tp_group, optimizer_kwargs)
@@ -2008,6 +2058,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
                                 name=type(module).__name__)
     if stage == 3:
         parameters.gradients = gradients
+    if find_unused_parameters:
+        module.register_forward_hook(lambda mod, args, out: gradients.walk_graph(out))
     optimizer = ZeroOptimizer(module, partition, parameters, gradients, precision, loss_scale, start,
                               optimizer_class, param_groups, optimizer_kwargs, tp_group)
     for b in module.buffers() if param_dtype else ():  # (init_fn has filled a meta module's buffers by now)
