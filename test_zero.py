@@ -1428,7 +1428,8 @@ def on_rank_buckets_held_where_parameters_get_no_gradient(stage, find_unused):
     held at once (filling, or in reduction) in each backward, the losses and the weights."""
     torch.manual_seed(0)
     net = Stack(8, scaled=False)
-    model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1, bucket_numel=80,  # (a bucket a block)
+    net.blocks[6] = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())  # two Linears, one unit
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1, bucket_numel=80,  # (a bucket a Linear)
                                  find_unused_parameters=find_unused,
                                  **({"stage3_units": net.blocks} if stage == 3 else {}))
     grads, held, peaks, losses = opt.gradients, [0], [], []
@@ -1445,16 +1446,16 @@ def on_rank_buckets_held_where_parameters_get_no_gradient(stage, find_unused):
                 p.requires_grad_(False)
         loss = model(x, full if isinstance(order, str) else order).square().mean()
         if order == "frozen after forward":  # torch accumulates nothing, yet calls the hook
-            for p in net.blocks[7].parameters():
+            for p in [*net.blocks[7].parameters(), *net.blocks[6][0].parameters()]:  # (block 6's second trains)
                 p.requires_grad_(False)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        for p in net.blocks[7].parameters():
+        for p in model.parameters():
             p.requires_grad_(True)
         peaks.append(held[0])
         losses.append(loss.item())
-    error = None
+    weights, error, refused, here = {name: t.tolist() for name, t in zero.full_state_dict(model).items()}, None, None, None
     if find_unused:  # a parameter the forward's output does not reach, read by the loss
         loss = model(x, full[:7]).square().mean() + net.blocks[7][0].bias.sum()
         try:
@@ -1462,7 +1463,20 @@ def on_rank_buckets_held_where_parameters_get_no_gradient(stage, find_unused):
         except RuntimeError as e:
             error = str(e)
         opt.zero_grad()
-    return peaks, losses, {name: t.tolist() for name, t in zero.full_state_dict(model).items()}, error
+    if find_unused and stage < 3:  # the ranks skip different parameters (stages 0-2 allow it)
+        order = full[:7] if dist.get_rank() == 0 else full
+        net.head.requires_grad_(dist.get_rank() != 0)  # rank 0's first bucket in the order is all skipped
+        model(x, order).square().mean().backward()
+        opt.step()
+        try:  # no zero_grad() since the step: refused on both ranks, before either starts a collective
+            model(x, order).square().mean().backward()
+        except RuntimeError as e:
+            refused = "without optimizer.zero_grad()" in str(e)
+        opt.zero_grad()
+        model(x, order).square().mean().backward()
+        opt.step()
+        here = [p.tolist() for p in model.parameters()]  # this rank's copy of the weights
+    return peaks, losses, weights, error, refused, here
 
 
 @pytest.mark.xdist_group("world2")
@@ -1473,18 +1487,23 @@ def test_find_unused_parameters_reduces_buckets_as_they_fill(world, stage):
     stages 2-3 up to the whole gradient). find_unused_parameters=True walks each forward's graph (DDP's
     way), and the parameters it does not reach count as zeros from backward's start: at most 2 buckets
     held, one filling and one in reduction, with the same bits. A parameter frozen before its forward
-    needs no walk; one frozen after its forward (its hook called with no gradient) raised AttributeError.
-    A gradient for a parameter the walk did not reach (read by the loss outside the forward) is refused."""
-    (peaks, losses, weights, error), _ = world(2).run(on_rank_buckets_held_where_parameters_get_no_gradient,
-                                                      stage, True)
-    (before, losses_before, weights_before, _), _ = world(2).run(
-        on_rank_buckets_held_where_parameters_get_no_gradient, stage, False)
-    (_, want_losses, want, _), _ = world(2).run(on_rank_buckets_held_where_parameters_get_no_gradient, 0, False)
+    needs no walk; one frozen after its forward (its hook called with no gradient) raised AttributeError
+    (at stage 3 a unit's first Linear so frozen keeps the unit gathered until its hooks: freed at the
+    second Linear's gradients, the first was read freed). A gradient for a parameter the walk did not
+    reach (read by the loss outside the forward) is refused; a backward refused (no zero_grad() after a
+    step) starts no reduction first where ranks skip different parameters (gloo aborted)."""
+    (peaks, losses, weights, error, refused, here), rank1 = world(2).run(
+        on_rank_buckets_held_where_parameters_get_no_gradient, stage, True)
+    before, losses_before, weights_before, *_ = world(2).run(
+        on_rank_buckets_held_where_parameters_get_no_gradient, stage, False)[0]
+    _, want_losses, want, *_ = world(2).run(on_rank_buckets_held_where_parameters_get_no_gradient, 0, False)[0]
     print("most buckets held, per step (full, full, last dropped, 3-4 dropped, odd only, frozen after forward, "
           f"frozen, full): {peaks}; without the walk {before}")
     assert max(peaks) <= 2 and max(before[2:5]) > 4 and max(before[5:]) <= 2, (peaks, before)
     assert losses == losses_before == want_losses and weights == weights_before == want  # stage 0's
     assert error is not None and "find_unused_parameters=True took it as unused" in error, error
+    if stage < 3:  # a refused backward had started the reduction of rank 0's skipped block: gloo then aborted
+        assert refused and rank1[4] and here == rank1[5]
 
 
 def on_rank_stage3_after_uneven_groups():

@@ -1032,7 +1032,6 @@ class GradientBuckets:
         if not for_params or self.for_params:
             return
         self.for_params = True  # (also when a gradient comes after all, as from a reentrant checkpoint's backward)
-        self._skip_unreached()
         if self.finished:  # it would miss the clip (and stage 0's all-gather)
             raise RuntimeError("backward after optimizer.clip_grad_norm_() (or clip_grad_value_()) in the same step: "
                                "clip after the step's last backward, just before step()")
@@ -1042,6 +1041,12 @@ class GradientBuckets:
                                f"(also before another model's loss backpropagates through this one). A module made "
                                f"around the model after zero.initialize (torch.compile's) clears only p.grad, which "
                                f"zero leaves None: call optimizer.zero_grad()")
+        if self.require_scaled_backward and not self.scaled_backward:
+            raise RuntimeError(f"with fp16 loss scaling, call optimizer.backward(loss) instead of loss.backward(); "
+                               f"where it is another model's optimizer.backward(loss) reaching {self.name}'s "
+                               f"parameters (a GAN's generator loss through its discriminator), freeze {self.name} "
+                               f"for it (requires_grad_(False)): its gradients would carry the other loss scale")
+        self._skip_unreached()  # (after the checks: a backward refused has started no collective)
 
     def walk_graph(self, out):
         """find_unused_parameters=True, after each forward of the whole module that builds a graph (DDP's walk): the
@@ -1083,13 +1088,9 @@ class GradientBuckets:
     def grad_ready(self, p):
         """Post-accumulate-grad hook: p's gradient for this backward is complete."""
         self.begin()
-        if self.require_scaled_backward and not self.scaled_backward:  # (autograd.grad(loss, x) is fine)
-            raise RuntimeError(f"with fp16 loss scaling, call optimizer.backward(loss) instead of loss.backward(); "
-                               f"where it is another model's optimizer.backward(loss) reaching {self.name}'s "
-                               f"parameters (a GAN's generator loss through its discriminator), freeze {self.name} "
-                               f"for it (requires_grad_(False)): its gradients would carry the other loss scale")
         part, i = self.partition, self.partition.index[p]
         if p.grad is None:  # frozen after the forward that read it: torch accumulates nothing but calls the hook
+            self.on_grad(p)
             return
         if i in self.skipped:  # (find_unused_parameters: its bucket may be reduced already)
             raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient though the graph of the forward "
@@ -1442,6 +1443,7 @@ class ShardedParameters:
                               for members in groups]
         self.group_buckets = [range(ks[0], ks[-1] + 1) if ks else range(0) for ks in self.group_buckets]
         self.groups, self.dtype, self.buffers, self.views = groups, dtype, [], []  # per group, made by bind()
+        self.trainable = [sum(p.requires_grad for p in members) for members in groups]  # (see _grads_left)
         self.calls_seen = []  # the calls this backward reached or passed
         self._new_backward()
         self.refcount = [0] * len(groups)
@@ -1725,6 +1727,8 @@ class ShardedParameters:
         self.calls[id(gids)].append(self._watch_inputs(gids, args, kwargs))
         for g in gids:
             self.refcount[g] += 1
+            if torch.is_grad_enabled():
+                self.trainable[g] = sum(p.requires_grad for p in self.groups[g])
         self._gather(gids)
         self.ahead.difference_update(gids)  # used, no longer ahead (see _prefetch)
         if not self.warned_autocast:
@@ -1859,9 +1863,10 @@ class ShardedParameters:
         self._free_in_backward(g)
 
     def _grads_left(self):
-        """Per group, the gradients still to come in this backward (requires_grad as at its first use)."""
+        """Per group, the gradients still to come in this backward: autograd calls the hook of each parameter that
+        required a gradient in the group's last forward with a graph, with no gradient if it was frozen since."""
         if self.grads_left is None:
-            self.grads_left = [sum(p.requires_grad for p in members) for members in self.groups]
+            self.grads_left = list(self.trainable)
         return self.grads_left
 
     def _free_in_backward(self, g):
