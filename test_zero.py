@@ -1506,6 +1506,82 @@ def test_find_unused_parameters_reduces_buckets_as_they_fill(world, stage):
         assert refused and rank1[4] and here == rank1[5]
 
 
+class TwoLinearBlocks(nn.Module):
+    """Two blocks of two Linears each, then a head; `checkpoint`: the blocks run under
+    torch.utils.checkpoint(use_reentrant=True), whose forward builds no graph."""
+
+    def __init__(self, checkpoint=False):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(2))
+        self.head, self.checkpoint = nn.Linear(8, 1), checkpoint
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x.requires_grad_(), use_reentrant=True) \
+                if self.checkpoint else block(x)
+        return self.head(x)
+
+
+def on_rank_requires_grad_changed_around_a_forward(stage):
+    """Losses and weights, 2 SGD steps a case, where requires_grad changes between forward and backward
+    (or between steps, or between two forwards), or an error's text."""
+    results = {}
+    for case in ("frozen in step 0 only, reentrant checkpoint", "frozen between two forwards, unfrozen after",
+                 "frozen after forward, zero.checkpoint_activations", "discriminator frozen after forward"):
+        torch.manual_seed(0)
+        net = TwoLinearBlocks(checkpoint="reentrant" in case)
+        model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1)
+        disc, disc_opt = zero.initialize(nn.Linear(1, 1), torch.optim.SGD, stage=stage, lr=0.1)
+        if "activations" in case:
+            zero.checkpoint_activations(net.blocks)
+        bias, losses = net.blocks[1][2].bias, []
+        try:
+            for step in range(2):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+                bias.requires_grad_(not (step == 0 and "step 0" in case))
+                loss = model(x).square().mean()
+                if "two forwards" in case:
+                    bias.requires_grad_(False)
+                    loss = loss + model(x * 2).square().mean()
+                    bias.requires_grad_(True)
+                if "activations" in case:
+                    bias.requires_grad_(False)
+                if "discriminator" in case:  # a GAN: the discriminator's step, then the generator's, which
+                    disc_opt.zero_grad()  # gives the discriminator no gradient
+                    disc(model(x).detach()).square().mean().backward()
+                    disc_opt.step()
+                    loss = disc(model(x)).square().mean()
+                    disc.requires_grad_(False)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                for p in [*model.parameters(), *disc.parameters()]:
+                    p.requires_grad_(True)
+                losses.append(loss.item())
+            results[case] = losses, [t.tolist() for m in (model, disc) for t in zero.full_state_dict(m).values()]
+        except RuntimeError as e:
+            results[case] = str(e)
+    return results
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage3_counts_the_gradients_a_backward_brings_where_requires_grad_changed(world):
+    """Stage 3 frees a unit in backward once the gradients it expects are in; torch calls the hook of a
+    parameter frozen since the forward that read it, with no gradient. Counting by requires_grad at
+    backward freed a unit before autograd read such a weight; counting by the last forward alone missed
+    the hooks of an earlier forward's graph and of a reentrant checkpoint's (whose forward builds none),
+    and a recomputation in backward (zero.checkpoint_activations) overwrote the count: each raised
+    "neither running nor gathered". A hook with no gradient ran the refusals of a backward that
+    accumulates (a GAN's discriminator frozen after its forward: "without optimizer.zero_grad()"). All
+    four give stage 0's losses and weights at stages 2 and 3."""
+    want, _ = world(2).run(on_rank_requires_grad_changed_around_a_forward, 0)
+    for stage in (2, 3):
+        got, _ = world(2).run(on_rank_requires_grad_changed_around_a_forward, stage)
+        for case in want:
+            print(stage, case, got[case] if isinstance(got[case], str) else got[case][0])
+            assert got[case] == want[case] and not isinstance(want[case], str), (case, got[case])
+
+
 def on_rank_stage3_after_uneven_groups():
     """World 3: a group of ranks 0 and 1 (every rank makes it; rank 2 is not in it) trains a
     stage-3 model, then a stage-3 model and a stage-0 one over the world: losses of 2 steps each."""

@@ -1087,11 +1087,12 @@ class GradientBuckets:
 
     def grad_ready(self, p):
         """Post-accumulate-grad hook: p's gradient for this backward is complete."""
-        self.begin()
-        part, i = self.partition, self.partition.index[p]
         if p.grad is None:  # frozen after the forward that read it: torch accumulates nothing but calls the hook
+            self.begin(for_params=False)
             self.on_grad(p)
             return
+        self.begin()
+        part, i = self.partition, self.partition.index[p]
         if i in self.skipped:  # (find_unused_parameters: its bucket may be reduced already)
             raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient though the graph of the forward "
                                f"output did not reach it, so find_unused_parameters=True took it as unused: it is "
@@ -1443,7 +1444,6 @@ class ShardedParameters:
                               for members in groups]
         self.group_buckets = [range(ks[0], ks[-1] + 1) if ks else range(0) for ks in self.group_buckets]
         self.groups, self.dtype, self.buffers, self.views = groups, dtype, [], []  # per group, made by bind()
-        self.trainable = [sum(p.requires_grad for p in members) for members in groups]  # (see _grads_left)
         self.calls_seen = []  # the calls this backward reached or passed
         self._new_backward()
         self.refcount = [0] * len(groups)
@@ -1727,8 +1727,8 @@ class ShardedParameters:
         self.calls[id(gids)].append(self._watch_inputs(gids, args, kwargs))
         for g in gids:
             self.refcount[g] += 1
-            if torch.is_grad_enabled():
-                self.trainable[g] = sum(p.requires_grad for p in self.groups[g])
+            if torch.is_grad_enabled() and not self.gradients.in_backward:  # (not a recomputation: see _grads_left)
+                self.required.update(p for p in self.groups[g] if p.requires_grad)
         self._gather(gids)
         self.ahead.difference_update(gids)  # used, no longer ahead (see _prefetch)
         if not self.warned_autocast:
@@ -1863,10 +1863,11 @@ class ShardedParameters:
         self._free_in_backward(g)
 
     def _grads_left(self):
-        """Per group, the gradients still to come in this backward: autograd calls the hook of each parameter that
-        required a gradient in the group's last forward with a graph, with no gradient if it was frozen since."""
+        """Per group, the gradients still to come in this backward: a parameter's hook runs where a forward since the
+        last backward built a graph while it required a gradient, with no gradient if it was frozen since. Counted:
+        those that require one now, or did in such a forward (one more than runs only keeps the group to the end)."""
         if self.grads_left is None:
-            self.grads_left = list(self.trainable)
+            self.grads_left = [sum(p.requires_grad or p in self.required for p in members) for members in self.groups]
         return self.grads_left
 
     def _free_in_backward(self, g):
@@ -1877,7 +1878,7 @@ class ShardedParameters:
 
     def _new_backward(self):
         self.ahead, self.finished = set(), set()  # groups gathered ahead and not yet used; done with (see _prefetch)
-        self.grads_left = None
+        self.grads_left, self.required = None, set()  # (see _grads_left)
         self.inputs_left = [0] * len(self.groups)  # calls reached whose inputs' gradients are to come
         self.pinned = [False] * len(self.groups)  # kept to the end of backward (see _watch_inputs, _PINNED)
         for call in self.calls_seen:  # a retained graph's next backward reaches them again
