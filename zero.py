@@ -1064,8 +1064,9 @@ class GradientBuckets:
                 break
             if getattr(node, "variable", None) in part.index:  # an AccumulateGrad node: a leaf's
                 reached.add(part.index[node.variable])
-            nodes += [n for n, _ in node.next_functions if n is not None and n not in seen]
-            seen.update(nodes)
+            new = [n for n, _ in node.next_functions if n is not None and n not in seen]
+            seen.update(new)
+            nodes += new
         self.reached = reached
 
     def _skip_unreached(self):
@@ -1124,10 +1125,11 @@ class GradientBuckets:
 
     def _reduce_ready_buckets(self):
         while self.next >= 0 and self.pending[self.order[self.next]] == 0:
-            k, bucket = self.order[self.next], self._bucket(self.order[self.next])
+            k = self.order[self.next]
+            bucket, start = self._bucket(k), self.partition.buckets[k].start
             for i, lo, hi in self.partition.buckets[k].segments if self.skipped else ():
                 if i in self.skipped:  # no gradient: zeros, as in DDP
-                    bucket[lo - self.partition.buckets[k].start:hi - self.partition.buckets[k].start].zero_()
+                    bucket[lo - start:hi - start].zero_()
             bucket = bucket.to(self.precision.reduce_dtype)
             self.temporary.pop(k, None)
             self.in_reduction.append((k, self.partition.reduce_scatter(bucket, k)))
