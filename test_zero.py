@@ -1527,7 +1527,8 @@ def on_rank_requires_grad_changed_around_a_forward(stage):
     (or between steps, or between two forwards), or an error's text."""
     results = {}
     for case in ("frozen in step 0 only, reentrant checkpoint", "frozen between two forwards, unfrozen after",
-                 "frozen after forward, zero.checkpoint_activations", "discriminator frozen after forward"):
+                 "frozen after forward, zero.checkpoint_activations", "discriminator frozen after forward",
+                 "frozen between two backwards over one graph", "frozen after autograd.grad for the input"):
         torch.manual_seed(0)
         net = TwoLinearBlocks(checkpoint="reentrant" in case)
         model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1)
@@ -1539,12 +1540,18 @@ def on_rank_requires_grad_changed_around_a_forward(stage):
             for step in range(2):
                 x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
                 bias.requires_grad_(not (step == 0 and "step 0" in case))
-                loss = model(x).square().mean()
+                loss = model(x.requires_grad_("autograd.grad" in case)).square().mean()
                 if "two forwards" in case:
                     bias.requires_grad_(False)
                     loss = loss + model(x * 2).square().mean()
                     bias.requires_grad_(True)
                 if "activations" in case:
+                    bias.requires_grad_(False)
+                if "two backwards" in case:
+                    loss.backward(retain_graph=True)
+                    bias.requires_grad_(False)
+                if "autograd.grad" in case:  # (x is a leaf that requires a gradient: the reentrant checkpoint's way)
+                    torch.autograd.grad(loss, x, retain_graph=True)
                     bias.requires_grad_(False)
                 if "discriminator" in case:  # a GAN: the discriminator's step, then the generator's, which
                     disc_opt.zero_grad()  # gives the discriminator no gradient
@@ -1570,10 +1577,12 @@ def test_stage3_counts_the_gradients_a_backward_brings_where_requires_grad_chang
     parameter frozen since the forward that read it, with no gradient. Counting by requires_grad at
     backward freed a unit before autograd read such a weight; counting by the last forward alone missed
     the hooks of an earlier forward's graph and of a reentrant checkpoint's (whose forward builds none),
-    and a recomputation in backward (zero.checkpoint_activations) overwrote the count: each raised
-    "neither running nor gathered". A hook with no gradient ran the refusals of a backward that
-    accumulates (a GAN's discriminator frozen after its forward: "without optimizer.zero_grad()"). All
-    four give stage 0's losses and weights at stages 2 and 3."""
+    and a recomputation in backward (zero.checkpoint_activations) overwrote the count; a record of the
+    forwards cleared at every backward's end missed a retained graph's second backward (and a backward
+    after torch.autograd.grad for the input): each raised "neither running nor gathered". A hook with no
+    gradient ran the refusals of a backward that accumulates (a GAN's discriminator frozen after its
+    forward: "without optimizer.zero_grad()"). All six give stage 0's losses and weights at stages 2
+    and 3."""
     want, _ = world(2).run(on_rank_requires_grad_changed_around_a_forward, 0)
     for stage in (2, 3):
         got, _ = world(2).run(on_rank_requires_grad_changed_around_a_forward, stage)

@@ -1446,6 +1446,7 @@ class ShardedParameters:
                               for members in groups]
         self.group_buckets = [range(ks[0], ks[-1] + 1) if ks else range(0) for ks in self.group_buckets]
         self.groups, self.dtype, self.buffers, self.views = groups, dtype, [], []  # per group, made by bind()
+        self.required = set()  # parameters that required a gradient in the forwards since a backward (see _grads_left)
         self.calls_seen = []  # the calls this backward reached or passed
         self._new_backward()
         self.refcount = [0] * len(groups)
@@ -1730,6 +1731,8 @@ class ShardedParameters:
         for g in gids:
             self.refcount[g] += 1
             if torch.is_grad_enabled() and not self.gradients.in_backward:  # (not a recomputation: see _grads_left)
+                if self.backward_ran:  # the first forward after a backward starts the record anew
+                    self.required, self.backward_ran = set(), False
                 self.required.update(p for p in self.groups[g] if p.requires_grad)
         self._gather(gids)
         self.ahead.difference_update(gids)  # used, no longer ahead (see _prefetch)
@@ -1865,9 +1868,10 @@ class ShardedParameters:
         self._free_in_backward(g)
 
     def _grads_left(self):
-        """Per group, the gradients still to come in this backward: a parameter's hook runs where a forward since the
-        last backward built a graph while it required a gradient, with no gradient if it was frozen since. Counted:
-        those that require one now, or did in such a forward (one more than runs only keeps the group to the end)."""
+        """Per group, the gradients still to come in this backward: a parameter's hook runs where the graph was built
+        while it required a gradient, with no gradient if it was frozen since. Counted: those that require one now, or
+        did in a forward with a graph since the first one after the last backward (a retained graph's next backward
+        runs over the same forwards). One more than runs only keeps the group to backward's end."""
         if self.grads_left is None:
             self.grads_left = [sum(p.requires_grad or p in self.required for p in members) for members in self.groups]
         return self.grads_left
@@ -1880,7 +1884,7 @@ class ShardedParameters:
 
     def _new_backward(self):
         self.ahead, self.finished = set(), set()  # groups gathered ahead and not yet used; done with (see _prefetch)
-        self.grads_left, self.required = None, set()  # (see _grads_left)
+        self.grads_left, self.backward_ran = None, True  # (see _grads_left)
         self.inputs_left = [0] * len(self.groups)  # calls reached whose inputs' gradients are to come
         self.pinned = [False] * len(self.groups)  # kept to the end of backward (see _watch_inputs, _PINNED)
         for call in self.calls_seen:  # a retained graph's next backward reaches them again
