@@ -1455,7 +1455,8 @@ def on_rank_buckets_held_where_parameters_get_no_gradient(stage, find_unused):
             p.requires_grad_(True)
         peaks.append(held[0])
         losses.append(loss.item())
-    weights, error, refused, here = {name: t.tolist() for name, t in zero.full_state_dict(model).items()}, None, None, None
+    weights = {name: t.tolist() for name, t in zero.full_state_dict(model).items()}
+    error = refused = here = None
     if find_unused:  # a parameter the forward's output does not reach, read by the loss
         loss = model(x, full[:7]).square().mean() + net.blocks[7][0].bias.sum()
         try:

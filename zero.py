@@ -1554,7 +1554,7 @@ class ShardedParameters:
                                "zero.save_checkpoint(path, model, optimizer)")
 
     def _gather(self, gids, prefetch=False):
-        """Gather groups gids (prefetch: leave the all-gathers in flight)."""
+        """Gather groups gids (prefetch: leave the all-gathers in flight; else they are in use, no longer ahead)."""
         part = self.partition
         for g in gids:
             buf = self.buffers[g]
@@ -1585,6 +1585,8 @@ class ShardedParameters:
                 raise
             if not prefetch:  # prefetched: waited for when the group is used
                 self._wait_gathered(g)
+        if not prefetch:  # (see _prefetch)
+            self.ahead.difference_update(gids)
 
     def _check_same_group(self, g):
         """Before each gather the ranks all-reduce (g, -g) with MAX (16 bytes): a branch some ranks take is an error,
@@ -1735,7 +1737,6 @@ class ShardedParameters:
                     self.required, self.backward_ran = set(), False
                 self.required.update(p for p in self.groups[g] if p.requires_grad)
         self._gather(gids)
-        self.ahead.difference_update(gids)  # used, no longer ahead (see _prefetch)
         if not self.warned_autocast:
             self._warn_autocast()
         if not self.order_known and id(gids) not in self.unit_position:
@@ -1834,7 +1835,6 @@ class ShardedParameters:
         if not self.gradients.in_backward:  # does it accumulate gradients (not autograd.grad(loss, x))?
             self.gradients.begin(self._accumulates())
         self._gather(gids)
-        self.ahead.difference_update(gids)  # used, no longer ahead (see _prefetch)
         if call is _PINNED:  # kept to the end of each backward that reaches it (see _watch_inputs)
             for g in gids:
                 self.pinned[g] = True
