@@ -10,6 +10,8 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
+import warnings
 
 import pytest
 import torch
@@ -676,6 +678,52 @@ def test_a_save_that_fails_on_rank_0_alone_fails_on_every_rank(world, tmp_path):
         for error in world(2).run(on_rank_save_fails_on_rank_0, str(path), where, timeout=60):
             assert "the checkpoint was not written" in error and why in error, error
         assert not pathlib.Path(f"{path}.partial").exists()  # (every rank's files were in it)
+
+
+def on_rank_checkpoint_calls_out_of_step(path, stage):
+    """Rank 1 comes to a save 2 s after rank 0 (check_timeout 1 s): rank 0 is warned, naming the fix, and the
+    save goes on. Then rank 0 saves while rank 1 gathers its full state (stage 3: runs a forward): both raise
+    at once, where before they waited for the process group's timeout (30 min)."""
+    model, opt = make(stage, check_timeout=1)
+    train(model, opt, 0, 1)
+    if dist.get_rank() == 1:
+        time.sleep(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zero.save_checkpoint(path, model, opt)
+    warned = [str(w.message) for w in caught]
+    start = time.perf_counter()
+    try:
+        if dist.get_rank() == 0:
+            zero.save_checkpoint(path + "2", model, opt)
+        elif stage == 3:
+            model(*batch(1))
+        else:
+            zero.full_state_dict(model)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return warned, error, time.perf_counter() - start, os.path.isdir(path)
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_call_some_ranks_skip_is_named_not_a_silent_wait(world, tmp_path, stage):
+    (warned0, error0, seconds0, saved), (warned1, error1, seconds1, _) = world(2).run(
+        on_rank_checkpoint_calls_out_of_step, str(tmp_path / "ckpt"), stage)
+    print(f"rank 0 warned: {warned0}\nrank 0 after {seconds0:.2f} s: {error0}\nrank 1 after {seconds1:.2f} s: {error1}")
+    fix = "zero.save_checkpoint is a collective: call it on every rank at the same point"
+    assert saved and warned1 == [] and len(warned0) == 1, (warned0, warned1)
+    assert "rank 0 calls zero.save_checkpoint and has waited 1 s for the other ranks" in warned0[0], warned0
+    assert fix in warned0[0] and "not under `if rank == 0:`" in warned0[0], warned0
+    other = "a stage-3 gather" if stage == 3 else "zero.full_state_dict"
+    assert f"rank 0 calls zero.save_checkpoint while another rank is at {other}" in error0 and fix in error0, error0
+    if stage == 3:
+        assert "ranks gather different modules at the same point" in error1, error1
+        assert "zero.save_checkpoint (a call, not a gather), wte" in error1, error1
+    else:
+        assert "rank 1 calls zero.full_state_dict while another rank is at zero.save_checkpoint" in error1, error1
+    assert seconds0 < 1 and seconds1 < 1, (seconds0, seconds1)
 
 
 def on_rank_pending_gradients(path):

@@ -32,6 +32,7 @@ import os
 import pathlib
 import pickle
 import shutil
+import time
 import types
 import warnings
 import weakref
@@ -209,6 +210,23 @@ class DynamicLossScale:
 # Nd copies; per bucket, each rank sends and receives (Nd-1)/Nd of every bucket, a ring's volume (Section 7), at any Nd.
 #   reduce-scatter  every rank's gradient bucket in, the mean of chunk r out on rank r
 #   all-gather      chunk r from rank r in, the whole bucket out on every rank
+_CHECK_GROUPS = {}  # data-parallel group -> the group its checks run on (see FlatPartition.meet)
+
+
+def check_group(group=None):
+    """The group the checks that every rank is at the same point run on: over all the ranks on gloo, one of its
+    own (the first call is every rank's collective), so its 16 bytes wait behind no bucket in gloo's two worker
+    threads; else the group. (A subgroup's copy needs new_group(use_local_synchronization=True), which torch names
+    by the number of groups each rank belongs to: ranks in different numbers of groups would wait for each other
+    forever.)"""
+    group = group or dist.group.WORLD
+    if dist.get_backend(group) != "gloo" or dist.get_world_size(group) != dist.get_world_size():
+        return group
+    if group not in _CHECK_GROUPS:
+        _CHECK_GROUPS[group] = dist.new_group(backend="gloo")
+    return _CHECK_GROUPS[group]
+
+
 @dataclass
 class Bucket:
     start: int  # flat index of its first element
@@ -220,9 +238,12 @@ class Bucket:
 
 
 class FlatPartition:
-    def __init__(self, params, runs, group, bucket_numel, reduction, device):
+    def __init__(self, params, runs, group, bucket_numel, reduction, device, check_timeout=60):
         """params: trainable ones first (their index order); runs: [(parameters, trainable)] in flat order."""
         self.group, self.reduction, self.device = group, reduction, device
+        self.check_group = check_group(group)
+        self.check_timeout = check_timeout if isinstance(check_timeout, datetime.timedelta) else \
+            datetime.timedelta(seconds=check_timeout)
         # small flags (used parameters, stage 3's gather check) need values: the CPU when simulating on meta
         self.flag_device = torch.device("cpu") if device.type == "meta" else device
         self.nd, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -345,6 +366,31 @@ class FlatPartition:
         self.failed = f"rank {self.rank}: a collective failed ({error}); the other ranks may wait in it for good, " \
                       f"so training cannot go on: restart it from its last checkpoint"
         raise RuntimeError(self.failed) from error
+
+    def meet(self, point, where, rule, patient=False):
+        """Every rank at the same point before collectives it must start together (stage 3's gathers, zero's
+        checkpoint calls): `point` all-reduced as (max, -min) on the check group, 16 bytes at any Nd. A rank
+        that waits check_timeout raises, naming `rule`; patient: it is warned and waits on (a rank may come
+        late after work of its own, an evaluation on rank 0). Returns the lowest and highest point."""
+        self.refuse_after_failure()  # (not a wait of check_timeout for ranks stuck in the failed one)
+        ids = torch.tensor([point, -point], dtype=torch.int64, device=self.flag_device)
+        work = dist.all_reduce(ids, op=dist.ReduceOp.MAX, group=self.check_group, async_op=True)  # (max, -min)
+        seconds = self.check_timeout.total_seconds()
+        if patient:  # polled: on NCCL a wait that times out aborts the communicator
+            deadline = time.monotonic() + seconds
+            while not work.is_completed() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not work.is_completed():
+                warnings.warn(f"rank {self.rank} {where} and has waited {seconds:g} s for the other ranks: {rule}")
+            work.wait()
+        else:
+            try:
+                work.wait(timeout=self.check_timeout)
+            except RuntimeError as e:
+                raise RuntimeError(f"rank {self.rank} {where}, but not every rank did within {seconds:g} s: "
+                                   f"{rule}") from e
+        high, low = ids.tolist()
+        return -low, high
 
     def refuse_after_failure(self):
         if self.failed is not None:
@@ -1412,24 +1458,8 @@ def gather_groups(module, units):
     return groups, hooks, {group_of[p] for p in shared}
 
 
-_CHECK_GROUPS = {}  # data-parallel group -> the group stage 3's gather check runs on
-
-
-def check_group(group=None):
-    """The group stage 3's gather check runs on: over all the ranks on gloo, one of its own (the first call is
-    every rank's collective), so its 16 bytes wait behind no bucket in gloo's two worker threads; else the group.
-    (A subgroup's copy needs new_group(use_local_synchronization=True), which torch names by the number of groups
-    each rank belongs to: ranks in different numbers of groups would wait for each other forever.)"""
-    group = group or dist.group.WORLD
-    if dist.get_backend(group) != "gloo" or dist.get_world_size(group) != dist.get_world_size():
-        return group
-    if group not in _CHECK_GROUPS:
-        _CHECK_GROUPS[group] = dist.new_group(backend="gloo")
-    return _CHECK_GROUPS[group]
-
-
 class ShardedParameters:
-    def __init__(self, partition, module, groups, hooks, shared, dtype, prefetch, check_timeout):
+    def __init__(self, partition, module, groups, hooks, shared, dtype, prefetch):
         self.partition, self.shared = partition, shared
         self.shard = torch.zeros(partition.shard_numel, dtype=dtype, device=partition.device)
         names = {m: name or "the root module" for name, m in module.named_modules()}
@@ -1437,9 +1467,6 @@ class ShardedParameters:
         for m, gids in hooks:
             for g in gids:
                 self.names[g] = self.names[g] or names[m]
-        self.check_group = check_group(partition.group)
-        self.check_timeout = check_timeout if isinstance(check_timeout, datetime.timedelta) else \
-            datetime.timedelta(seconds=check_timeout)
         self.group_of = {p: g for g, members in enumerate(groups) for p in members}
         # a group's buckets are consecutive: its runs were laid out together
         self.group_buckets = [sorted({k for p in members for k, lo, hi in partition.segments_of[partition.index[p]]})
@@ -1589,24 +1616,20 @@ class ShardedParameters:
             self.ahead.difference_update(gids)
 
     def _check_same_group(self, g):
-        """Before each gather the ranks all-reduce (g, -g) with MAX (16 bytes): a branch some ranks take is an error,
-        not a hang or the wrong parameters; a rank that stops gathering leaves the others an error after
+        """Before each gather the ranks meet at group g (see FlatPartition.meet): a branch some ranks take is an
+        error, not a hang or the wrong parameters; a rank that stops gathering leaves the others an error after
         check_timeout."""
         rule = ("every rank must run the same modules in the same order at stage 3: take a branch on "
                 "every rank or on none (or use stage 2, which allows it)")
-        self.partition.refuse_after_failure()  # (not a wait of check_timeout for ranks stuck in the failed one)
-        ids = torch.tensor([g, -g], dtype=torch.int64, device=self.partition.flag_device)
-        work = dist.all_reduce(ids, op=dist.ReduceOp.MAX, group=self.check_group, async_op=True)  # (max, -min)
-        try:
-            work.wait(timeout=self.check_timeout)
-        except RuntimeError as e:
-            raise RuntimeError(f"stage 3: rank {self.partition.rank} gathers {self.names[g]}, but not every rank "
-                               f"reached a gather within {self.check_timeout.total_seconds():g} s: {rule}") from e
-        high, low = ids.tolist()
-        if high != -low:
+        low, high = self.partition.meet(g, f"gathers {self.names[g]}", rule)
+        if low != high:
             raise RuntimeError(f"stage 3: ranks gather different modules at the same point (rank "
                                f"{self.partition.rank}: {self.names[g]}; first and last in module order over the "
-                               f"ranks: {self.names[-low]}, {self.names[high]}): {rule}")
+                               f"ranks: {self._point(low)}, {self._point(high)}): {rule}")
+
+    def _point(self, x):
+        """What a rank does at check point x (see _all_ranks_call): gathers group x, or calls zero.<name>."""
+        return self.names[x] if x >= 0 else f"zero.{COLLECTIVE_CALLS[-1 - x]} (a call, not a gather)"
 
     def _wait_gathered(self, g):
         """Wait for group g's all-gathers, each leaving in_flight as it ends (an interrupt leaves the rest to
@@ -2058,13 +2081,12 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         "parameters (names, shapes, dtypes, requires_grad)": [
             (name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()]})
     partition = FlatPartition(params, [(run, t) for run, t in runs if run], group, bucket_numel, reduction,
-                              torch.device(device))
+                              torch.device(device), check_timeout)
     start = MetaInit(module, partition, init_fn).values if params[0].is_meta else partition.rank0_values
     if stage < 3:
         parameters = FlatParameters(partition, module, precision.param_dtype, gather_after_step=stage > 0)
     else:
-        parameters = ShardedParameters(partition, module, groups, hooks, shared, precision.param_dtype, prefetch,
-                                       check_timeout)
+        parameters = ShardedParameters(partition, module, groups, hooks, shared, precision.param_dtype, prefetch)
     gradients = GradientBuckets(partition, precision, keep_full=stage < 2, replicate=stage == 0,
                                 on_grad=parameters.on_grad, on_backward_end=parameters.on_backward_end,
                                 name=type(module).__name__)
@@ -2282,6 +2304,23 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
                          f"(got {reduction!r})")
 
 
+COLLECTIVE_CALLS = ("save_checkpoint", "load_checkpoint", "full_state_dict", "full_optimizer_state")
+
+
+def _all_ranks_call(opt, name):
+    """zero.<name> is a collective: every rank meets at its start (see FlatPartition.meet), so a rank calling it
+    alone (under `if rank == 0:`) is warned after check_timeout, not left waiting silently for the process group's
+    timeout (30 min on gloo), and ranks at different calls (or a stage-3 gather) raise at once."""
+    part, point = opt.partition, -1 - COLLECTIVE_CALLS.index(name)
+    rule = (f"zero.{name} is a collective: call it on every rank at the same point (each rank holds its own shard), "
+            f"not under `if rank == 0:`")
+    low, high = part.meet(point, f"calls zero.{name}", rule, patient=True)
+    if low != high:
+        other = low if low != point else high
+        doing = f"zero.{COLLECTIVE_CALLS[-1 - other]}" if other < 0 else "a stage-3 gather (a forward or backward)"
+        raise RuntimeError(f"rank {part.rank} calls zero.{name} while another rank is at {doing}: {rule}")
+
+
 def _engine(module, optimizer=None):
     """The ZeroOptimizer zero.initialize returned with `module` (checking `optimizer` is it), and that module: `module`
     itself, or the one inside a wrapper made after (torch.compile's, whose names begin with _orig_mod.)."""
@@ -2310,6 +2349,7 @@ def full_state_dict(module):
     module.state_dict(), identical on every rank of the data-parallel group (each tp rank gets its slices). A
     collective: call it on every rank. Gathered a bucket at a time: the device holds one bucket more."""
     opt, module = _engine(module)
+    _all_ranks_call(opt, "full_state_dict")
     opt.parameters.wait()
     opt._refuse_lost_writes(record=False)
     # the fp32 master weights where they exist, else the parameters themselves
@@ -2332,6 +2372,7 @@ def full_optimizer_state(module):
     """{parameter name: {state key: full CPU tensor}}: the optimizer state as one unsharded
     optimizer would hold it. A collective: call it on every rank."""
     opt, module = _engine(module)
+    _all_ranks_call(opt, "full_optimizer_state")
     keys, scalars, keys_of = opt._all_states()  # which parameters have state, which, its scalars
     params = {n: p for n, p in module.named_parameters() if n in scalars}  # in module order
     result = {name: {key: v.cpu() if torch.is_tensor(v) else v for key, v in scalars[name].items()}
@@ -2369,6 +2410,7 @@ def save_checkpoint(path, model, optimizer, **extra):
     path.partial, renamed to `path` once every rank's are written: a crash mid-save leaves no checkpoint.
     extra: this rank's own values (the step, its data generator's state), returned by load_checkpoint."""
     (opt, model), path = _engine(model, optimizer), pathlib.Path(path)
+    _all_ranks_call(opt, "save_checkpoint")
     part, group = opt.partition, opt.partition.group
     opt.parameters.wait()  # (stages 1-2: the all-gather in flight; it also checks no write raced it)
     opt._refuse_lost_writes(record=False)  # (a write the checkpoint would not hold)
@@ -2568,6 +2610,7 @@ def load_checkpoint(path, model, optimizer):
     """Restore, on every rank (a collective), at any Nd, stage or bucket size, what save_checkpoint saved (weights,
     optimizer states, loss scale, buffers, RNG state); returns extra. All is checked before anything is written."""
     (opt, model), path = _engine(model, optimizer), pathlib.Path(path)
+    _all_ranks_call(opt, "load_checkpoint")
     _refuse_pending_gradients(opt, "load_checkpoint", "they would be added to the loaded weights' next step")
     manifest = _read_manifest(path)
     part = opt.partition
