@@ -2882,6 +2882,8 @@ def on_rank_bad_inputs():
         "torch.device\\('meta'\\) and pass init_fn, or drop device": lambda: (
             zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=1, device="meta")),
         "module has no parameters to shard": lambda: zero.initialize(nn.ReLU(), torch.optim.AdamW, stage=1),
+        "module has no parameters to shard \\(every one has 0 elements\\)": lambda: zero.initialize(
+            nn.Linear(0, 0), torch.optim.AdamW, stage=3),
         # a unit from another model (a copy made before zero.initialize) would gather nothing
         "stage3_units holds a Linear that is not a module inside the model": lambda: zero.initialize(
             nn.Sequential(nn.Linear(2, 2)), torch.optim.AdamW, stage=3, stage3_units=[nn.Linear(2, 2)]),
@@ -3087,6 +3089,8 @@ def on_rank_initialize_disagreeing(case):
         kwargs["bucket_numel"] = 64 * (rank + 1)
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 3 if case == "parameters" and rank == 1 else 4), nn.Linear(4, 2))
+    if case == "stage3_units":  # a generator, each rank another unit (read once: compared all the same)
+        kwargs = {"stage": 3, "stage3_units": (m for m in [module[rank]])}
     try:
         zero.initialize(module, torch.optim.SGD, lr=0.1, **kwargs)
     except ValueError as e:
@@ -3095,7 +3099,7 @@ def on_rank_initialize_disagreeing(case):
 
 
 @pytest.mark.xdist_group("world2")
-@pytest.mark.parametrize("case", ["stage", "bucket_numel", "parameters"])
+@pytest.mark.parametrize("case", ["stage", "bucket_numel", "parameters", "stage3_units"])
 def test_ranks_that_pass_initialize_different_things_are_told_which(world, case):
     """Unchecked, stages 3 and 0 on the two ranks would hang (one rank in a new_group, the other in
     a broadcast), another bucket size would abort the peer inside gloo, and a parameter of another

@@ -1432,7 +1432,6 @@ def gather_groups(module, units):
     several modules (a tied embedding) is a group of its own, kept from its first use to the end of forward, so
     forward moves Ψ. nn.MultiheadAttention reads out_proj's weights without calling it: always a unit.
     Returns (groups, [(module, its group indices)], shared groups)."""
-    units = list(units)  # (a generator: read once, by the check below)
     containers = [type(u).__name__ for u in units if isinstance(u, (torch.nn.ModuleList, torch.nn.ModuleDict))]
     if containers:
         raise ValueError(f"stage3_units holds a {containers[0]}, whose forward never runs, so it cannot be gathered "
@@ -2056,6 +2055,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     loss_scale 16-bit compute over an fp32 master (Section 3.1), init_fn/device a meta-built module,
     tp_group Megatron's group (gpt.py), find_unused_parameters DDP's walk of each forward's graph."""
     param_groups = _groups(param_groups)
+    stage3_units = list(stage3_units or ())  # (a generator: read once)
     _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
            loss_scale, prefetch, reduction, init_fn, device, tp_group, optimizer_kwargs)
     params = list(module.parameters())  # unique: a tied weight is listed once
@@ -2066,22 +2066,24 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         device = params[0].device
     elif device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
     if stage < 3:  # the trainable parameters in module order, then the frozen ones
         runs = [(trainable, True), (frozen, False)]
     else:  # group by group, as stage 3 gathers them
-        groups, hooks, shared = gather_groups(module, stage3_units or ())
+        groups, hooks, shared = gather_groups(module, stage3_units)
         runs = [([p for p in members if p.requires_grad == wants_grad], wants_grad)
                 for members in groups for wants_grad in (True, False)]
     bucket_numel = bucket_numel or default_bucket_numel(dist.get_world_size(group))
     unit_names = {m: name for name, m in module.named_modules()}
-    _check_ranks_agree(group, torch.device("cpu") if params[0].is_meta else torch.device(device), {
+    # (the CPU when simulating on meta; else the model's device: NCCL has no CPU collectives)
+    _check_ranks_agree(group, torch.device("cpu") if device.type == "meta" else device, {
         "stage": stage, "bucket_numel": bucket_numel, "reduction": reduction, "param_dtype": precision.param_dtype,
         "reduce_dtype": precision.reduce_dtype, "prefetch": prefetch,
-        "stage3_units": [unit_names.get(u) for u in stage3_units or ()],
+        "stage3_units": [unit_names.get(u) for u in stage3_units],
         "parameters (names, shapes, dtypes, requires_grad)": [
             (name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()]})
-    partition = FlatPartition(params, [(run, t) for run, t in runs if run], group, bucket_numel, reduction,
-                              torch.device(device), check_timeout)
+    partition = FlatPartition(params, [(run, t) for run, t in runs if run], group, bucket_numel, reduction, device,
+                              check_timeout)
     start = MetaInit(module, partition, init_fn).values if params[0].is_meta else partition.rank0_values
     if stage < 3:
         parameters = FlatParameters(partition, module, precision.param_dtype, gather_after_step=stage > 0)
@@ -2232,8 +2234,8 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     if loss_scale is not None and not isinstance(loss_scale, (int, float, DynamicLossScale)):
         raise TypeError(f"loss_scale must be a number or a zero.DynamicLossScale (got {type(loss_scale).__name__})")
     params = list(module.parameters())
-    if not params:
-        raise ValueError("module has no parameters to shard")
+    if not any(p.numel() for p in params):
+        raise ValueError("module has no parameters to shard" + (" (every one has 0 elements)" if params else ""))
     on_meta = [name for name, p in module.named_parameters() if p.is_meta]
     if on_meta and len(on_meta) < len(params):
         raise ValueError(f"parameters {on_meta[:3]}... are on the meta device and the others are not: build the "
