@@ -570,7 +570,7 @@ def _warm_up(setting, dtype):
                      dist.broadcast(x, group_src=0, async_op=async_op)):
             if work is not None:
                 work.wait()
-    zero.check_group()   # stage 3's gather check: a gloo group of its own (threads, connections)
+    zero.check_group()   # the ranks' checks (stage 3's gathers, zero's collective calls): a gloo group of its own
     del module, optimizer, x, y
     gc.collect()
 

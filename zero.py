@@ -369,28 +369,40 @@ class FlatPartition:
 
     def meet(self, point, where, rule, patient=False):
         """Every rank at the same point before collectives it must start together (stage 3's gathers, zero's
-        checkpoint calls): `point` all-reduced as (max, -min) on the check group, 16 bytes at any Nd. A rank
+        collective calls): `point` all-reduced as (max, -min) on the check group, 16 bytes at any Nd. A rank
         that waits check_timeout raises, naming `rule`; patient: it is warned and waits on (a rank may come
-        late after work of its own, an evaluation on rank 0). Returns the lowest and highest point."""
+        late after work of its own, an evaluation on rank 0). A check left pending would pair with the rank's
+        next one, so then no collective may start. Returns the lowest and highest point over the ranks."""
         self.refuse_after_failure()  # (not a wait of check_timeout for ranks stuck in the failed one)
         ids = torch.tensor([point, -point], dtype=torch.int64, device=self.flag_device)
         work = dist.all_reduce(ids, op=dist.ReduceOp.MAX, group=self.check_group, async_op=True)  # (max, -min)
         seconds = self.check_timeout.total_seconds()
-        if patient:  # polled: on NCCL a wait that times out aborts the communicator
-            deadline = time.monotonic() + seconds
-            while not work.is_completed() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if not work.is_completed():
-                warnings.warn(f"rank {self.rank} {where} and has waited {seconds:g} s for the other ranks: {rule}")
-            work.wait()
-        else:
-            try:
+        late = (f"{where}, but not every rank came to a stage-3 gather or a zero collective call within "
+                f"{seconds:g} s: {rule}")
+        try:
+            if patient:
+                self._wait_patiently(work, seconds, late)
+            else:
                 work.wait(timeout=self.check_timeout)
-            except RuntimeError as e:
-                raise RuntimeError(f"rank {self.rank} {where}, but not every rank did within {seconds:g} s: "
-                                   f"{rule}") from e
+        except BaseException as e:  # (an interrupt, a timeout): the check may be pending
+            self.failed = f"{late} (the check did not end on this rank: restart from the last checkpoint)"
+            if isinstance(e, RuntimeError):
+                raise RuntimeError(late) from e
+            raise
         high, low = ids.tolist()
         return -low, high
+
+    def _wait_patiently(self, work, seconds, late):
+        """Warn after `seconds`, then wait on. Polled, backing off: on NCCL a wait that times out aborts the
+        communicator. (The fake backend's work never says it completed: waited for at once.)"""
+        fake, delay, deadline = dist.get_backend(self.check_group) == "fake", 1e-4, time.monotonic() + seconds
+        while not fake and not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(delay)
+            delay = min(2 * delay, 0.01)
+        if not fake and not work.is_completed():
+            warnings.warn(f"{late} (a rank that is only late, after work of its own, needs no change: this one "
+                          f"waits on)")
+        work.wait()
 
     def refuse_after_failure(self):
         if self.failed is not None:
@@ -1620,15 +1632,15 @@ class ShardedParameters:
         check_timeout."""
         rule = ("every rank must run the same modules in the same order at stage 3: take a branch on "
                 "every rank or on none (or use stage 2, which allows it)")
-        low, high = self.partition.meet(g, f"gathers {self.names[g]}", rule)
+        here = f"stage 3: rank {self.partition.rank} gathers {self.names[g]}"
+        low, high = self.partition.meet(g, here, rule)
+        if low < 0:  # (see _all_ranks_call)
+            name = COLLECTIVE_CALLS[-1 - low]
+            raise RuntimeError(f"{here} while another rank calls zero.{name}: {_call_rule(name)}")
         if low != high:
             raise RuntimeError(f"stage 3: ranks gather different modules at the same point (rank "
                                f"{self.partition.rank}: {self.names[g]}; first and last in module order over the "
-                               f"ranks: {self._point(low)}, {self._point(high)}): {rule}")
-
-    def _point(self, x):
-        """What a rank does at check point x (see _all_ranks_call): gathers group x, or calls zero.<name>."""
-        return self.names[x] if x >= 0 else f"zero.{COLLECTIVE_CALLS[-1 - x]} (a call, not a gather)"
+                               f"ranks: {self.names[low]}, {self.names[high]}): {rule}")
 
     def _wait_gathered(self, g):
         """Wait for group g's all-gathers, each leaving in_flight as it ends (an interrupt leaves the rest to
@@ -2314,13 +2326,20 @@ def _all_ranks_call(opt, name):
     alone (under `if rank == 0:`) is warned after check_timeout, not left waiting silently for the process group's
     timeout (30 min on gloo), and ranks at different calls (or a stage-3 gather) raise at once."""
     part, point = opt.partition, -1 - COLLECTIVE_CALLS.index(name)
-    rule = (f"zero.{name} is a collective: call it on every rank at the same point (each rank holds its own shard), "
-            f"not under `if rank == 0:`")
-    low, high = part.meet(point, f"calls zero.{name}", rule, patient=True)
+    here = f"rank {part.rank} calls zero.{name}"
+    low, high = part.meet(point, here, _call_rule(name), patient=True)
     if low != high:
         other = low if low != point else high
-        doing = f"zero.{COLLECTIVE_CALLS[-1 - other]}" if other < 0 else "a stage-3 gather (a forward or backward)"
-        raise RuntimeError(f"rank {part.rank} calls zero.{name} while another rank is at {doing}: {rule}")
+        if other < 0:
+            doing = f"calls zero.{COLLECTIVE_CALLS[-1 - other]}"
+        else:
+            doing = "gathers parameters (stage 3: a forward or backward)"
+        raise RuntimeError(f"{here} while another rank {doing}: {_call_rule(name)}")
+
+
+def _call_rule(name):
+    return (f"zero.{name} is a collective: call it on every rank at the same point (each rank holds its own shard), "
+            f"not under `if rank == 0:`")
 
 
 def _engine(module, optimizer=None):
