@@ -715,7 +715,8 @@ def test_a_checkpoint_call_some_ranks_skip_is_named_not_a_silent_wait(world, tmp
     fix = "zero.save_checkpoint is a collective: call it on every rank at the same point"
     assert saved and warned1 == [] and len(warned0) == 1, (warned0, warned1)
     assert "rank 0 calls zero.save_checkpoint, but not every rank came to a stage-3 gather or a zero collective " \
-           "call within 1 s" in warned0[0] and "only late, after work of its own, needs no change" in warned0[0], warned0
+           "call within 1 s" in warned0[0], warned0
+    assert "only late, after work of its own, needs no change" in warned0[0], warned0
     assert fix in warned0[0] and "not under `if rank == 0:`" in warned0[0], warned0
     other = "gathers parameters (stage 3" if stage == 3 else "calls zero.full_state_dict"
     assert f"rank 0 calls zero.save_checkpoint while another rank {other}" in error0 and fix in error0, error0
@@ -882,6 +883,7 @@ def on_rank_memory_while_saving_and_loading(path):
         (sizes[held], sizes[save_peak], sizes[max(samples)])
 
 
+@pytest.mark.slow  # every live tensor walked at every chunk written and range read: about 2 minutes on 2 cores
 @pytest.mark.xdist_group("world2")
 def test_saving_and_loading_hold_the_model_states_and_one_bucket_chunk(world, tmp_path):
     """Saving makes each chunk of a rank's file on its own; loading reads straight into the

@@ -212,7 +212,9 @@ def section5_terms(psi, nd, stage, param_bytes, grad_bytes, K):
 WORLDS = [pytest.param(nd, marks=pytest.mark.xdist_group(f"world{nd}")) for nd in (2, 4)]
 
 
-@pytest.mark.parametrize("nd", WORLDS)
+# world 4 in the slow step: about 50 s a precision on 2 cores
+@pytest.mark.parametrize("nd", [WORLDS[0], pytest.param(4, marks=[pytest.mark.xdist_group("world4"),
+                                                                    pytest.mark.slow])])
 @pytest.mark.parametrize("dtype, sizes", [("fp32", (4, 4, 8)), ("bf16", (2, 2, 12))])
 def test_measured_model_states_match_the_formula_within_1_percent(world, nd, dtype, sizes):
     """fp32: 4-byte parameters and gradients, K = 8 (momentum, variance); bf16: 2 + 2 bytes and K = 12
