@@ -210,23 +210,6 @@ class DynamicLossScale:
 # Nd copies; per bucket, each rank sends and receives (Nd-1)/Nd of every bucket, a ring's volume (Section 7), at any Nd.
 #   reduce-scatter  every rank's gradient bucket in, the mean of chunk r out on rank r
 #   all-gather      chunk r from rank r in, the whole bucket out on every rank
-_CHECK_GROUPS = {}  # data-parallel group -> the group its checks run on (see FlatPartition.meet)
-
-
-def check_group(group=None):
-    """The group the checks that every rank is at the same point run on: over all the ranks on gloo, one of its
-    own (the first call is every rank's collective), so its 16 bytes wait behind no bucket in gloo's two worker
-    threads; else the group. (A subgroup's copy needs new_group(use_local_synchronization=True), which torch names
-    by the number of groups each rank belongs to: ranks in different numbers of groups would wait for each other
-    forever.)"""
-    group = group or dist.group.WORLD
-    if dist.get_backend(group) != "gloo" or dist.get_world_size(group) != dist.get_world_size():
-        return group
-    if group not in _CHECK_GROUPS:
-        _CHECK_GROUPS[group] = dist.new_group(backend="gloo")
-    return _CHECK_GROUPS[group]
-
-
 @dataclass
 class Bucket:
     start: int  # flat index of its first element
@@ -433,6 +416,23 @@ class FlatPartition:
         values = self.values(k)
         dist.broadcast(values, group_src=0, group=self.group)
         return values
+
+
+_CHECK_GROUPS = {}  # data-parallel group -> the group its checks run on (see FlatPartition.meet)
+
+
+def check_group(group=None):
+    """The group the checks that every rank is at the same point run on: over all the ranks on gloo, one of its
+    own (the first call is every rank's collective), so its 16 bytes wait behind no bucket in gloo's two worker
+    threads; else the group. (A subgroup's copy needs new_group(use_local_synchronization=True), which torch names
+    by the number of groups each rank belongs to: ranks in different numbers of groups would wait for each other
+    forever.)"""
+    group = group or dist.group.WORLD
+    if dist.get_backend(group) != "gloo" or dist.get_world_size(group) != dist.get_world_size():
+        return group
+    if group not in _CHECK_GROUPS:
+        _CHECK_GROUPS[group] = dist.new_group(backend="gloo")
+    return _CHECK_GROUPS[group]
 
 
 # -----------------------------------------------------------------------------------------
