@@ -728,6 +728,46 @@ def test_a_checkpoint_call_some_ranks_skip_is_named_not_a_silent_wait(world, tmp
     assert seconds0 < 1 and seconds1 < 1, (seconds0, seconds1)
 
 
+def on_rank_one_rank_refuses(path, stage):
+    """Each collective call refused by rank 1 alone: a weight given storage outside zero's buffers (save_checkpoint,
+    full_state_dict), a checkpoint missing from its disk (load_checkpoint). Rank 1 raises its own error; rank 0
+    raises at once too, where before it went on into the call's first collective and waited for rank 1 until the
+    process group's timeout (30 min on gloo). Returns (call, error, seconds) per call."""
+    model, opt = make(stage)
+    train(model, opt, 0, 1)
+    zero.save_checkpoint(path, model, opt)
+    results = []
+    for name, call in [("save_checkpoint", lambda m, o: zero.save_checkpoint(path + "2", m, o)),
+                       ("full_state_dict", lambda m, o: zero.full_state_dict(m)),
+                       ("load_checkpoint", lambda m, o: zero.load_checkpoint(path + "_not_on_this_disk"
+                                                                              if dist.get_rank() == 1 else path, m, o))]:
+        model, opt = make(stage)
+        if dist.get_rank() == 1 and name != "load_checkpoint":
+            model.wte.weight.data = model.wte.weight.detach().clone()  # (the step would not update it)
+        start = time.perf_counter()
+        try:
+            call(model, opt)
+            results.append((name, None, time.perf_counter() - start))
+        except (RuntimeError, ValueError) as e:
+            results.append((name, f"{type(e).__name__}: {e}", time.perf_counter() - start))
+    return results
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_collective_call_one_rank_refuses_raises_on_every_rank(world, tmp_path, stage):
+    rank0, rank1 = world(2).run(on_rank_one_rank_refuses, str(tmp_path / "ckpt"), stage, timeout=120)
+    for (name, error0, seconds0), (_, error1, seconds1) in zip(rank0, rank1):
+        print(f"{name}: rank 0 after {seconds0:.2f} s: {error0}\n{name}: rank 1 after {seconds1:.2f} s: {error1}")
+        own = "CheckpointError: " if name == "load_checkpoint" else "RuntimeError: rank 1: ['wte.weight'] got " \
+                                                                    "storage outside zero's buffers"
+        assert error1 is not None and error1.startswith(own), error1
+        assert error0 == f"RuntimeError: rank 0 calls zero.{name}, which another rank refused (its own error says " \
+                         f"why), so no rank went on", error0
+        assert seconds0 < 1 and seconds1 < 1, (seconds0, seconds1)
+    assert not os.path.exists(tmp_path / "ckpt2") and not os.path.exists(tmp_path / "ckpt2.partial")
+
+
 def on_rank_pending_gradients(path):
     model, opt = make(1)
     train(model, opt, 0, 1)

@@ -927,6 +927,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                f"step, but {why}: set the values before zero.initialize, restore them with "
                                f"zero.load_checkpoint, or write them between steps at stages 0-2 without param_dtype")
 
+    def _settle(self):
+        """Before a call reads the weights: the all-gather in flight waited for (stages 1-2; it checks no write
+        raced it), and no write the call would miss."""
+        self.parameters.wait()
+        self._refuse_lost_writes(record=False)
+
     def _free_grads(self):
         """The step's gradients are used (or dropped): the next step reduces and clips anew."""
         for w in self.weights:
@@ -2321,20 +2327,32 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
 COLLECTIVE_CALLS = ("save_checkpoint", "load_checkpoint", "full_state_dict", "full_optimizer_state")
 
 
-def _all_ranks_call(opt, name):
+def _all_ranks_call(opt, name, checks=lambda: None):
     """zero.<name> is a collective: every rank meets at its start (see FlatPartition.meet), so a rank calling it
     alone (under `if rank == 0:`) is warned after check_timeout, not left waiting silently for the process group's
-    timeout (30 min on gloo), and ranks at different calls (or a stage-3 gather) raise at once."""
-    part, point = opt.partition, -1 - COLLECTIVE_CALLS.index(name)
+    timeout (30 min on gloo), and ranks at different calls (or a stage-3 gather) raise at once. Each rank first
+    runs `checks`, its own refusals (a write the call would miss, a path that exists): one that refuses meets the
+    others at a point saying so, so that every rank raises, none waits for it. Returns what `checks` returns."""
+    part, calls = opt.partition, len(COLLECTIVE_CALLS)
+    point = -1 - COLLECTIVE_CALLS.index(name)  # (refused: point - calls)
     here = f"rank {part.rank} calls zero.{name}"
+    try:
+        checked = checks()
+    except Exception:
+        part.meet(point - calls, here, _call_rule(name), patient=True)
+        raise
     low, high = part.meet(point, here, _call_rule(name), patient=True)
     if low != high:
         other = low if low != point else high
+        if other == point - calls:
+            raise RuntimeError(f"{here}, which another rank refused (its own error says why), so no rank went on")
+        other += calls if other < -calls else 0  # (another call, refused)
         if other < 0:
             doing = f"calls zero.{COLLECTIVE_CALLS[-1 - other]}"
         else:
             doing = "gathers parameters (stage 3: a forward or backward)"
         raise RuntimeError(f"{here} while another rank {doing}: {_call_rule(name)}")
+    return checked
 
 
 def _call_rule(name):
@@ -2370,9 +2388,7 @@ def full_state_dict(module):
     module.state_dict(), identical on every rank of the data-parallel group (each tp rank gets its slices). A
     collective: call it on every rank. Gathered a bucket at a time: the device holds one bucket more."""
     opt, module = _engine(module)
-    _all_ranks_call(opt, "full_state_dict")
-    opt.parameters.wait()
-    opt._refuse_lost_writes(record=False)
+    _all_ranks_call(opt, "full_state_dict", opt._settle)
     # the fp32 master weights where they exist, else the parameters themselves
     flat = opt._to_flat(opt.master) if opt.master is not None else opt.parameters.full()
     part, state = opt.partition, {}
@@ -2431,10 +2447,15 @@ def save_checkpoint(path, model, optimizer, **extra):
     path.partial, renamed to `path` once every rank's are written: a crash mid-save leaves no checkpoint.
     extra: this rank's own values (the step, its data generator's state), returned by load_checkpoint."""
     (opt, model), path = _engine(model, optimizer), pathlib.Path(path)
-    _all_ranks_call(opt, "save_checkpoint")
+
+    def checks():
+        opt._settle()
+        if path.exists():
+            raise FileExistsError(f"{path} exists: save each checkpoint into a new directory (e.g. step_000100)")
+        _refuse_pending_gradients(opt, "save_checkpoint", "they are not saved")
+
+    _all_ranks_call(opt, "save_checkpoint", checks)
     part, group = opt.partition, opt.partition.group
-    opt.parameters.wait()  # (stages 1-2: the all-gather in flight; it also checks no write raced it)
-    opt._refuse_lost_writes(record=False)  # (a write the checkpoint would not hold)
     partial = path.with_name(path.name + ".partial")
     if opt.tp_group:  # each tp slice is saved over a dp group of its own: into one path they would race
         paths = [None] * dist.get_world_size(opt.tp_group)
@@ -2442,9 +2463,6 @@ def save_checkpoint(path, model, optimizer, **extra):
         if len(set(paths)) < len(paths):
             raise ValueError(f"every tensor-parallel slice into {path}: each is a checkpoint of its own; give each "
                              f"its own directory, e.g. f'{path}/tp{{tp_rank}}', tp_rank = dist.get_rank(tp_group)")
-    if path.exists():
-        raise FileExistsError(f"{path} exists: save each checkpoint into a new directory (e.g. step_000100)")
-    _refuse_pending_gradients(opt, "save_checkpoint", "they are not saved")
 
     def make_partial():
         shutil.rmtree(partial, ignore_errors=True)
@@ -2631,9 +2649,12 @@ def load_checkpoint(path, model, optimizer):
     """Restore, on every rank (a collective), at any Nd, stage or bucket size, what save_checkpoint saved (weights,
     optimizer states, loss scale, buffers, RNG state); returns extra. All is checked before anything is written."""
     (opt, model), path = _engine(model, optimizer), pathlib.Path(path)
-    _all_ranks_call(opt, "load_checkpoint")
-    _refuse_pending_gradients(opt, "load_checkpoint", "they would be added to the loaded weights' next step")
-    manifest = _read_manifest(path)
+
+    def checks():
+        _refuse_pending_gradients(opt, "load_checkpoint", "they would be added to the loaded weights' next step")
+        return _read_manifest(path)
+
+    manifest = _all_ranks_call(opt, "load_checkpoint", checks)
     part = opt.partition
     problems = [f"{name}: {why}" for i, name in enumerate(sorted(manifest["files"])) if i % part.nd == part.rank
                 for why in [_damage(path / name, *manifest["files"][name])] if why]
