@@ -467,6 +467,42 @@ def test_live_tensor_bytes_counts_a_sparse_tensor_by_its_parts():
     assert zero.live_tensor_bytes() - base == 10 * 4 * 4 + 2 * 8 + 2 * 4 * 4
 
 
+def test_memory_hooks_leave_a_checkpoint_around_the_model_as_it_is():
+    """torch.utils.checkpoint around the whole model packs what the forward saves with hooks of its own:
+    a recorded forward keeps what an unrecorded one keeps (the input and the output; before, the
+    hooks MemoryHooks adds in a recorded forward on CPU replaced the checkpoint's, which then kept
+    every activation), and a backward recorded after an unrecorded forward recomputes the model and
+    gives its gradient bit for bit (before: torch's CheckpointError, 5 tensors saved and 0 recomputed)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+    memory = zero.MemoryHooks(model)
+    x = torch.randn(512, 64, requires_grad=True)
+    want = torch.autograd.grad(model(x).sum(), x)[0]
+    kept = []
+    for recording in (False, True):
+        memory.recording = recording
+        before = zero.live_tensor_bytes()
+        y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+        kept.append(zero.live_tensor_bytes() - before)
+        memory.recording = True  # the backward recorded either way
+        got = torch.autograd.grad(y.sum(), x)[0]
+        memory.recording = False
+        assert torch.equal(got, want), (recording, (got - want).abs().max())
+        del y
+    print(f"kept by the checkpointed forward, unrecorded and recorded: {kept} B")
+    assert kept[0] == kept[1] < 512 * 256 * 4, kept  # (less than one hidden activation)
+
+
+def test_live_tensor_bytes_passes_over_an_mkldnn_tensor():
+    """An mkldnn tensor alive anywhere in the process has no storage to read (untyped_storage() raises
+    NotImplementedError): it is passed over, not the end of a recorded forward."""
+    cached = torch.randn(4, 4).to_mkldnn()
+    base = zero.live_tensor_bytes()
+    dense = torch.ones(10)
+    assert zero.live_tensor_bytes() - base == 10 * 4
+    del cached, dense
+
+
 def test_memory_hooks_kept_by_forward_without_a_recorded_forward_says_so():
     """kept_by_forward for a module with no recorded forward (recording never set, or a name
     that is not a module's) raises a ValueError naming the fix, not a bare StopIteration."""

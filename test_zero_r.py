@@ -97,7 +97,8 @@ SINGLE = {"full": dict(), "cpu": dict(cpu=True), "M_D": dict(contiguous=True), "
 def schedule_grads(mode, width, schedule, layout=None):
     """Parameter gradients after running `schedule`, ("F", i): forward of micro-batch i, ("B", i)
     its backward, through 3 checkpointed blocks of `width` (mode None: no checkpointing); the first
-    block's input transposed, or strided (every other element of a row twice as wide)."""
+    block's input transposed, strided (every other element of a row twice as wide), or sliced (rows 1-3 of a
+    batch of 4: a dense tensor starting 5 x width x 4 bytes into its storage)."""
     torch.manual_seed(0)
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(3))
     if mode is not None:
@@ -105,9 +106,10 @@ def schedule_grads(mode, width, schedule, layout=None):
     losses = {}
     for op, i in schedule:
         if op == "F":
-            x = torch.randn(3, 5, width * (2 if layout == "strided" else 1),
+            x = torch.randn(3 + (layout == "sliced"), 5, width * (2 if layout == "strided" else 1),
                             generator=torch.Generator().manual_seed(i), requires_grad=True)
-            x = x.transpose(0, 1) if layout == "transposed" else x[..., ::2] if layout == "strided" else x
+            x = x.transpose(0, 1) if layout == "transposed" else x[..., ::2] if layout == "strided" else \
+                x[1:] if layout == "sliced" else x
             for b in blocks:
                 x = b(x)
             losses[i] = x.pow(2).sum()
@@ -117,17 +119,20 @@ def schedule_grads(mode, width, schedule, layout=None):
 
 
 @pytest.mark.parametrize("mode", SINGLE)
-@pytest.mark.parametrize("case", ["interleaved", "unaligned", "transposed", "strided"])
+@pytest.mark.parametrize("case", ["interleaved", "unaligned", "transposed", "strided", "sliced"])
 def test_checkpointing_is_exact_in_any_schedule_width_and_layout(mode, case):
     """interleaved: micro-batches in flight at once, as in a 1F1B pipeline (F0 F1 B0 F2 B1 F3 B2
     B3): an M_D slot is reused only once the graph holding it is gone. unaligned: a width of 7,
     where slot i would start at 3 x 5 x 7 x 4 x i = 420 i bytes; the kernels' bits depend on alignment, so
     every slot starts 64-element aligned. transposed: a block input that is not contiguous is
     recomputed in its own layout. strided: one with gaps between its elements (a slice) is
-    computed on a dense copy. Gradients torch.equal to no checkpointing."""
+    computed on a dense copy. sliced: a micro-batch sliced from a batch, starting 5 x 7 x 4 = 140 bytes
+    into its storage, 12 past a 64-byte line, is recomputed from a copy starting 12 bytes past one too.
+    Gradients torch.equal to no checkpointing."""
     schedule = [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)] \
         if case == "interleaved" else [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
-    width, layout = (7 if case == "unaligned" else 16), case if case in ("transposed", "strided") else None
+    width = 7 if case in ("unaligned", "sliced") else 16
+    layout = case if case in ("transposed", "strided", "sliced") else None
     want, got = (schedule_grads(m, width, schedule, layout) for m in (None, mode))
     assert all(torch.equal(a, b) for a, b in zip(got, want)), max((a - b).abs().max().item() for a, b in zip(got, want))
 

@@ -87,13 +87,14 @@ def _dense_parts(t):
 def live_storages(device_type="cpu"):
     """{storage id: storage} of every tensor (and .grad) alive on `device_type`, each storage once
     (data_ptr() is 0 on meta and raises once freed). Skipped: a wrapper subclass (DTensor: its
-    local tensor counts) and a FakeTensor (no memory). Tensors only C++ holds are not seen."""
+    local tensor counts), a FakeTensor (no memory) and an mkldnn tensor (no storage to read).
+    Tensors only C++ holds are not seen."""
     gc.collect()
     storages = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # reading .grad of a non-leaf warns
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.device.type == device_type \
+            if isinstance(obj, torch.Tensor) and obj.device.type == device_type and not obj.is_mkldnn \
                     and not is_traceable_wrapper_subclass(obj) and not isinstance(obj, FakeTensor):
                 for t in (obj, obj.grad):
                     for part in _dense_parts(t) if t is not None else ():
@@ -135,8 +136,10 @@ class MemoryHooks:
 
     def _see_saved_tensors(self):
         """Autograd keeps some tensors it saves in C++ alone (cross_entropy's log_softmax output), unseen
-        by live_storages: in a recorded forward on CPU, every saved tensor is kept through a Python object."""
-        if self.recording and torch.is_grad_enabled() and not _on_cuda():
+        by live_storages: in a recorded forward on CPU, every saved tensor is kept through a Python object.
+        Not under hooks of an enclosing torch.utils.checkpoint (around the module), which pack them already."""
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if self.recording and torch.is_grad_enabled() and not _on_cuda() and outer is None:
             self.saved = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
             self.saved.__enter__()
 
@@ -2002,15 +2005,16 @@ class ActivationCheckpointing:
         if torch.empty_like(x, device="meta").stride() != x.stride():  # not dense (a slice with gaps):
             x = x.contiguous()  # computed on a copy the recomputation can rebuild
         like = torch.empty_like(x, device="meta")  # x's shape and strides, no memory
-        requires_grad, holder = x.requires_grad, [x]  # the whole input, for this forward only
+        # where x starts past a 64-byte line (a micro-batch sliced from a batch): the kernels' bits depend on it
+        offset, requires_grad, holder = x.data_ptr() % 64, x.requires_grad, [x]  # holder: x, for this forward only
 
         def run(part, anchor):
             if holder[0] is not None:
                 return forward(holder[0])
-            # the recomputation in backward: the input again, from the kept part, in x's layout
+            # the recomputation in backward: the input again, from the kept part, in x's layout and alignment
             full = self._restore(part, like.shape, anchor.device)
-            if full.stride() != like.stride():  # x was a transposed (dense) tensor
-                full = torch.empty_like(like, device=anchor.device).copy_(full)
+            if full.stride() != like.stride() or full.data_ptr() % 64 != offset:  # (a transposed x, a sliced x)
+                full = _placed(like, offset, anchor.device).copy_(full)
             return forward(full.requires_grad_(requires_grad))
 
         # anchor: an empty tensor on x's device, so checkpoint saves and restores that device's
@@ -2051,6 +2055,15 @@ class ActivationCheckpointing:
         full = part.new_empty(self.tp * part.numel())
         dist.all_gather_single(full, part, group=self.tp_group)  # (tp * n,): each rank sends n
         return full[:math.prod(shape)].view(shape)  # (B, T, C)
+
+
+def _placed(like, offset, device):
+    """An empty tensor of like's shape and strides (dense) whose first element lies `offset` bytes past a 64-byte
+    line: one of its 64 // element_size starting positions in a buffer that many elements longer."""
+    n = like.element_size()
+    buffer = torch.empty(like.numel() + 64 // n, dtype=like.dtype, device=device)
+    start = (offset - buffer.data_ptr()) % 64 // n
+    return buffer[start:start + like.numel()].as_strided(like.shape, like.stride())
 
 
 checkpoint_activations = ActivationCheckpointing
