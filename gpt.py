@@ -371,7 +371,7 @@ class GPT(nn.Module):
                 shape[param.partition_dim] *= self.tp_size
             gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))
             std = proj_std if name.endswith("c_proj.weight") else 0.02
-            load_full_(param, torch.empty(shape).normal_(0.0, std, generator=gen), self.tp_group)
+            load_full_(param, torch.empty(shape, device="cpu").normal_(0.0, std, generator=gen), self.tp_group)
 
     def forward(self, idx, targets=None):
         """idx: (B, T) token ids -> (logits, loss). With targets (B, T) (-1 = ignore): the mean cross

@@ -30,7 +30,7 @@ def torchrun_train(*flags, **env):
     its finished process, which must have succeeded."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NGPU}",
            os.path.join(HERE, "train.py"), *flags]
-    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **env}  # for --deterministic
+    env = {**{k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}, **env}  # (train.py sets it)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=HERE, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

@@ -557,6 +557,16 @@ def test_init_weights_after_to_empty_equals_a_direct_build():
     assert all(torch.equal(p, built[n]) for n, p in direct.named_parameters(remove_duplicate=False))
 
 
+def test_init_weights_draws_on_the_cpu_under_any_default_device():
+    """init_weights draws each weight on the CPU, where its generator is, whatever the default device:
+    a GPT built under `with torch.device("meta")` onto the CPU equals a plain build (before: its draws were
+    on meta, "Cannot copy out of meta tensor"; on a CUDA default device, a CPU generator for a CUDA tensor)."""
+    direct = GPT(PRESETS["nano"], seed=0)
+    with torch.device("meta"):
+        model = GPT(PRESETS["nano"], seed=0, device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(direct.parameters(), model.parameters()))
+
+
 def test_init_weights_seeds_each_parameter_by_its_full_name():
     """Each parameter's seed is its full name: two blocks' same-named weights differ, and so do
     two tables of the same shape."""

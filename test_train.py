@@ -282,3 +282,24 @@ def test_checkpoints_are_made_every_save_every_steps_and_at_the_end():
     assert [s for s, d in made.items() if d] == [3, 7, 9] and made[9].name == "step_000010"
     args.save_every = 0  # only at the end
     assert [s for s in range(10) if train.checkpoint_dir(args, s)] == [9]
+
+
+def test_the_sample_prints_an_id_past_255_as_a_replacement_character():
+    """The byte-level model's sample: ids 0-255 are bytes (UTF-8 decoded); a preset's vocabulary is GPT-2's
+    (50,304), whose ids past 255 are no byte (before, bytes() raised after training and --out was lost)."""
+    assert train.decode(list("déf".encode()) + [300, 50303, 10]) == "déf\ufffd\ufffd\n"
+
+
+def test_deterministic_sets_cublas_workspace_before_cuda_starts(monkeypatch):
+    """--deterministic on CUDA needs CUBLAS_WORKSPACE_CONFIG before CUDA starts, or the first matmul raises:
+    train.py sets it (test_cuda.py runs --deterministic without it in the environment); a value given is kept."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        train.deterministic(True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and torch.are_deterministic_algorithms_enabled()
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        train.deterministic(True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        train.deterministic(False)
+    assert not torch.are_deterministic_algorithms_enabled()

@@ -142,8 +142,9 @@ def strip_source(src):
     """Python source (bytes) as load_corpus uses it: comments and docstrings removed (a line left
     empty goes), a continuation line inside brackets re-indented to its statement's indentation
     plus 4 spaces (none before a closing bracket), then each line of code indented with tabs, one
-    per 4 spaces. Lines inside multi-line strings stay as they are; a file tokenize cannot read
-    is kept whole."""
+    per 4 spaces. Lines inside multi-line strings stay as they are, but for a closing line with code
+    after the string (three quotes, then `, 1)`), whose leading spaces become tabs; a file tokenize cannot read is
+    kept whole."""
     text = src.decode("utf-8", errors="replace")
     lines = text.splitlines(keepends=True)
     try:
@@ -194,6 +195,11 @@ def strip_source(src):
             line = "\t" * (spaces // 4) + " " * (spaces % 4) + body
         out.append(line)
     return "".join(out).encode("utf-8")
+
+
+def decode(ids):
+    """Byte ids as text; an id past 255 (a preset's vocabulary is GPT-2's, padded) is no byte: U+FFFD."""
+    return b"".join(bytes([i]) if i < 256 else "\ufffd".encode() for i in ids).decode("utf-8", errors="replace")
 
 
 def get_batch(data, batch_size, seq_len, generator, device):
@@ -280,9 +286,17 @@ def checkpoint_dir(args, step):
     return None
 
 
+def deterministic(on):
+    """torch.use_deterministic_algorithms(on). On CUDA, cuBLAS then needs a fixed workspace, whose size is read
+    from the environment when CUDA starts (it raises at the first matmul without one): set here, before."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    torch.use_deterministic_algorithms(args.deterministic)
+    deterministic(args.deterministic)
     backend, device = setup_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % args.tp:
@@ -424,7 +438,7 @@ def main(argv=None):
     if not diverged:
         prompt = torch.tensor([list(b"def ")], device=device)
         out = model.generate(prompt, 200, temperature=0.7, top_k=50, generator=torch.Generator().manual_seed(args.seed))
-        sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
+        sample = decode(out[0].tolist())
         log("-" * 40 + " sample " + "-" * 40 + "\n" + sample.expandtabs(4) + "\n" + "-" * 88)  # tabs as 4 spaces
     if args.out and rank == 0:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # --out out/run.json in a fresh clone

@@ -2462,6 +2462,13 @@ def save_checkpoint(path, model, optimizer, **extra):
     (opt, model), path = _engine(model, optimizer), pathlib.Path(path)
 
     def checks():
+        if opt.tp_group:  # (first: a collective of the tp ranks) each tp slice is saved over a dp group of its own
+            paths = [None] * dist.get_world_size(opt.tp_group)
+            dist.all_gather_object(paths, os.path.abspath(path), group=opt.tp_group)
+            if len(set(paths)) < len(paths):  # into one path they would race
+                raise ValueError(f"every tensor-parallel slice into {path}: each is a checkpoint of its own; give "
+                                 f"each its own directory, e.g. f'{path}/tp{{tp_rank}}', tp_rank = dist.get_rank("
+                                 f"tp_group)")
         opt._settle()
         if path.exists():
             raise FileExistsError(f"{path} exists: save each checkpoint into a new directory (e.g. step_000100)")
@@ -2470,12 +2477,6 @@ def save_checkpoint(path, model, optimizer, **extra):
     _all_ranks_call(opt, "save_checkpoint", checks)
     part, group = opt.partition, opt.partition.group
     partial = path.with_name(path.name + ".partial")
-    if opt.tp_group:  # each tp slice is saved over a dp group of its own: into one path they would race
-        paths = [None] * dist.get_world_size(opt.tp_group)
-        dist.all_gather_object(paths, os.path.abspath(path), group=opt.tp_group)
-        if len(set(paths)) < len(paths):
-            raise ValueError(f"every tensor-parallel slice into {path}: each is a checkpoint of its own; give each "
-                             f"its own directory, e.g. f'{path}/tp{{tp_rank}}', tp_rank = dist.get_rank(tp_group)")
 
     def make_partial():
         shutil.rmtree(partial, ignore_errors=True)
