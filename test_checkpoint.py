@@ -728,44 +728,62 @@ def test_a_checkpoint_call_some_ranks_skip_is_named_not_a_silent_wait(world, tmp
     assert seconds0 < 1 and seconds1 < 1, (seconds0, seconds1)
 
 
-def on_rank_one_rank_refuses(path, stage):
+def on_rank_one_rank_refuses(path, stage, tp):
     """Each collective call refused by rank 1 alone: a weight given storage outside zero's buffers (save_checkpoint,
-    full_state_dict), a checkpoint missing from its disk (load_checkpoint). Rank 1 raises its own error; rank 0
-    raises at once too, where before it went on into the call's first collective and waited for rank 1 until the
-    process group's timeout (30 min on gloo). Returns (call, error, seconds) per call."""
-    model, opt = make(stage)
+    full_state_dict), a checkpoint missing from its disk (load_checkpoint); at stage 3, a save into a path that
+    exists while rank 0 runs a forward. Rank 1 raises its own error; every other rank at once too (at tp 2 those
+    of the other dp group, through the tp group), where before they went on into the call's first collective and
+    waited for rank 1 until the process group's timeout (30 min on gloo). Returns (call, error, seconds) per call."""
+    dp_group, tp_group = make_mesh(dp=dist.get_world_size() // tp, tp=tp)
+
+    def make_here():
+        module = GPT(CONFIG, tp_group=tp_group, seed=1, device="meta")
+        return zero.initialize(module, torch.optim.AdamW, stage=stage, bucket_numel=700, group=dp_group,
+                               tp_group=tp_group, stage3_units=module.h, init_fn=module.init_weights, lr=1e-2)
+    path = f"{path}/tp{dist.get_rank(tp_group)}"
+    model, opt = make_here()
     train(model, opt, 0, 1)
     zero.save_checkpoint(path, model, opt)
+    one = dist.get_rank() == 1
+    cases = [("save_checkpoint", lambda m, o: zero.save_checkpoint(path + "2", m, o)),
+             ("full_state_dict", lambda m, o: zero.full_state_dict(m)),
+             ("load_checkpoint", lambda m, o: zero.load_checkpoint(path + "_not_on_this_disk" if one else path, m, o))]
+    if stage == 3 and tp == 1:
+        cases.append(("a forward", lambda m, o: zero.save_checkpoint(path, m, o) if one else m(*batch(1))))
     results = []
-    for name, call in [("save_checkpoint", lambda m, o: zero.save_checkpoint(path + "2", m, o)),
-                       ("full_state_dict", lambda m, o: zero.full_state_dict(m)),
-                       ("load_checkpoint", lambda m, o: zero.load_checkpoint(path + "_not_on_this_disk"
-                                                                              if dist.get_rank() == 1 else path, m, o))]:
-        model, opt = make(stage)
-        if dist.get_rank() == 1 and name != "load_checkpoint":
+    for name, call in cases:
+        model, opt = make_here()
+        if one and name in ("save_checkpoint", "full_state_dict"):
             model.wte.weight.data = model.wte.weight.detach().clone()  # (the step would not update it)
         start = time.perf_counter()
         try:
             call(model, opt)
             results.append((name, None, time.perf_counter() - start))
-        except (RuntimeError, ValueError) as e:
+        except Exception as e:
             results.append((name, f"{type(e).__name__}: {e}", time.perf_counter() - start))
     return results
 
 
-@pytest.mark.xdist_group("world2")
-@pytest.mark.parametrize("stage", [1, 3])
-def test_a_collective_call_one_rank_refuses_raises_on_every_rank(world, tmp_path, stage):
-    rank0, rank1 = world(2).run(on_rank_one_rank_refuses, str(tmp_path / "ckpt"), stage, timeout=120)
-    for (name, error0, seconds0), (_, error1, seconds1) in zip(rank0, rank1):
-        print(f"{name}: rank 0 after {seconds0:.2f} s: {error0}\n{name}: rank 1 after {seconds1:.2f} s: {error1}")
-        own = "CheckpointError: " if name == "load_checkpoint" else "RuntimeError: rank 1: ['wte.weight'] got " \
-                                                                    "storage outside zero's buffers"
-        assert error1 is not None and error1.startswith(own), error1
-        assert error0 == f"RuntimeError: rank 0 calls zero.{name}, which another rank refused (its own error says " \
-                         f"why), so no rank went on", error0
-        assert seconds0 < 1 and seconds1 < 1, (seconds0, seconds1)
-    assert not os.path.exists(tmp_path / "ckpt2") and not os.path.exists(tmp_path / "ckpt2.partial")
+@pytest.mark.parametrize("stage, tp", [(1, 1), (3, 1), (1, 2)], ids=["stage1", "stage3", "stage1-dp2xtp2"])
+def test_a_collective_call_one_rank_refuses_raises_on_every_rank(world, tmp_path, stage, tp):
+    ranks = world(2 * tp).run(on_rank_one_rank_refuses, str(tmp_path / "ckpt"), stage, tp, timeout=120)
+    fix = "zero.save_checkpoint is a collective: call it on every rank at the same point (each rank holds its own shard)"
+    for cases in zip(*ranks):
+        for rank, (name, error, seconds) in enumerate(cases):
+            print(f"{name}: rank {rank} after {seconds:.2f} s: {error}")
+            dp_rank = rank // tp  # (the rank zero's errors name: tp groups are consecutive ranks)
+            if rank == 1:
+                own = {"load_checkpoint": "CheckpointError: ", "a forward": "FileExistsError: "}.get(
+                    name, f"RuntimeError: rank {dp_rank}: ['wte.weight'] got storage outside zero's buffers")
+                assert error is not None and error.startswith(own), error
+            elif name == "a forward":
+                assert error == "RuntimeError: stage 3: rank 0 gathers wte while another rank refused " \
+                                f"zero.save_checkpoint (its own error says why): {fix}, not under `if rank == 0:`", error
+            else:
+                assert error == f"RuntimeError: rank {dp_rank} calls zero.{name}, which another rank refused (its " \
+                                f"own error says why), so no rank went on", error
+            assert seconds < 1, seconds
+    assert not list(tmp_path.glob("ckpt/*2*")), list(tmp_path.glob("ckpt/*"))
 
 
 def on_rank_pending_gradients(path):

@@ -82,8 +82,9 @@ def test_a_slice_that_cannot_save_stops_every_tp_rank_with_its_error(world, tmp_
     path = tmp_path / "step_000001"
     for message in world(2).run(on_rank_save_into_a_taken_slice, str(path)):
         print(message)
-        assert message == f"saving {path} failed: {path}/tp1 exists: save each checkpoint into a new directory " \
-                          f"(e.g. step_000100)", message
+        assert message == f"saving {path} failed: rank 0 calls zero.save_checkpoint, which another rank refused (its " \
+                          f"own error says why), so no rank went on; {path}/tp1 exists: save each checkpoint into a " \
+                          f"new directory (e.g. step_000100)", message
 
 
 def run_train(tmp_path, nproc, *flags):

@@ -1644,8 +1644,8 @@ class ShardedParameters:
         here = f"stage 3: rank {self.partition.rank} gathers {self.names[g]}"
         low, high = self.partition.meet(g, here, rule)
         if low < 0:  # (see _all_ranks_call)
-            name = COLLECTIVE_CALLS[-1 - low]
-            raise RuntimeError(f"{here} while another rank calls zero.{name}: {_call_rule(name)}")
+            name = COLLECTIVE_CALLS[(-1 - low) % len(COLLECTIVE_CALLS)]
+            raise RuntimeError(f"{here} while another rank {_doing(low)}: {_call_rule(name)}")
         if low != high:
             raise RuntimeError(f"stage 3: ranks gather different modules at the same point (rank "
                                f"{self.partition.rank}: {self.names[g]}; first and last in module order over the "
@@ -2005,16 +2005,18 @@ class ActivationCheckpointing:
         if torch.empty_like(x, device="meta").stride() != x.stride():  # not dense (a slice with gaps):
             x = x.contiguous()  # computed on a copy the recomputation can rebuild
         like = torch.empty_like(x, device="meta")  # x's shape and strides, no memory
-        # where x starts past a 64-byte line (a micro-batch sliced from a batch): the kernels' bits depend on it
-        offset, requires_grad, holder = x.data_ptr() % 64, x.requires_grad, [x]  # holder: x, for this forward only
+        # where x starts past a line (a micro-batch sliced from a batch): the kernels' bits depend on it (CPU
+        # kernels on 64-byte lines; cuBLASLt picks a kernel by alignment up to 256 bytes)
+        line = 64 if x.device.type == "cpu" else 256
+        offset, requires_grad, holder = x.data_ptr() % line, x.requires_grad, [x]  # holder: x, for this forward only
 
         def run(part, anchor):
             if holder[0] is not None:
                 return forward(holder[0])
             # the recomputation in backward: the input again, from the kept part, in x's layout and alignment
             full = self._restore(part, like.shape, anchor.device)
-            if full.stride() != like.stride() or full.data_ptr() % 64 != offset:  # (a transposed x, a sliced x)
-                full = _placed(like, offset, anchor.device).copy_(full)
+            if full.stride() != like.stride() or full.data_ptr() % line != offset:  # (a transposed x, a sliced x)
+                full = _placed(like, offset, line, anchor.device).copy_(full)
             return forward(full.requires_grad_(requires_grad))
 
         # anchor: an empty tensor on x's device, so checkpoint saves and restores that device's
@@ -2057,12 +2059,12 @@ class ActivationCheckpointing:
         return full[:math.prod(shape)].view(shape)  # (B, T, C)
 
 
-def _placed(like, offset, device):
-    """An empty tensor of like's shape and strides (dense) whose first element lies `offset` bytes past a 64-byte
-    line: one of its 64 // element_size starting positions in a buffer that many elements longer."""
+def _placed(like, offset, line, device):
+    """An empty tensor of like's shape and strides (dense) whose first element lies `offset` bytes past a `line`:
+    one of its line // element_size starting positions in a buffer that many elements longer."""
     n = like.element_size()
-    buffer = torch.empty(like.numel() + 64 // n, dtype=like.dtype, device=device)
-    start = (offset - buffer.data_ptr()) % 64 // n
+    buffer = torch.empty(like.numel() + line // n, dtype=like.dtype, device=device)
+    start = (offset - buffer.data_ptr()) % line // n
     return buffer[start:start + like.numel()].as_strided(like.shape, like.stride())
 
 
@@ -2344,28 +2346,38 @@ def _all_ranks_call(opt, name, checks=lambda: None):
     """zero.<name> is a collective: every rank meets at its start (see FlatPartition.meet), so a rank calling it
     alone (under `if rank == 0:`) is warned after check_timeout, not left waiting silently for the process group's
     timeout (30 min on gloo), and ranks at different calls (or a stage-3 gather) raise at once. Each rank first
-    runs `checks`, its own refusals (a write the call would miss, a path that exists): one that refuses meets the
-    others at a point saying so, so that every rank raises, none waits for it. Returns what `checks` returns."""
+    runs `checks`, its own refusals (a write the call would miss, a path that exists), and meets at a point
+    saying whether it refused; with a tp_group the points meet over it too, so every rank of the (dp, tp) mesh
+    raises where any refused, none waits for it. Returns what `checks` returns."""
     part, calls = opt.partition, len(COLLECTIVE_CALLS)
-    point = -1 - COLLECTIVE_CALLS.index(name)  # (refused: point - calls)
+    point = -1 - COLLECTIVE_CALLS.index(name)
     here = f"rank {part.rank} calls zero.{name}"
     try:
-        checked = checks()
-    except Exception:
-        part.meet(point - calls, here, _call_rule(name), patient=True)
-        raise
-    low, high = part.meet(point, here, _call_rule(name), patient=True)
+        checked, refusal = checks(), None
+    except Exception as e:
+        checked, refusal = None, e
+    low, high = part.meet(point - calls if refusal else point, here, _call_rule(name), patient=True)
+    if opt.tp_group:  # (max, -min) over the tp ranks, whose dp groups met apart
+        both = torch.tensor([high, -low], dtype=torch.int64, device=part.flag_device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=opt.tp_group)
+        high, low = both[0].item(), -both[1].item()
+    if refusal is not None:
+        raise refusal
     if low != high:
         other = low if low != point else high
         if other == point - calls:
             raise RuntimeError(f"{here}, which another rank refused (its own error says why), so no rank went on")
-        other += calls if other < -calls else 0  # (another call, refused)
-        if other < 0:
-            doing = f"calls zero.{COLLECTIVE_CALLS[-1 - other]}"
-        else:
-            doing = "gathers parameters (stage 3: a forward or backward)"
-        raise RuntimeError(f"{here} while another rank {doing}: {_call_rule(name)}")
+        raise RuntimeError(f"{here} while another rank {_doing(other)}: {_call_rule(name)}")
     return checked
+
+
+def _doing(point):
+    """What a rank meeting at `point` does: stage 3 gathers at group indices, zero's calls at -1 - their index in
+    COLLECTIVE_CALLS, a call the rank refused at that less len(COLLECTIVE_CALLS)."""
+    if point >= 0:
+        return "gathers parameters (stage 3: a forward or backward)"
+    name = COLLECTIVE_CALLS[(-1 - point) % len(COLLECTIVE_CALLS)]
+    return f"calls zero.{name}" if point >= -len(COLLECTIVE_CALLS) else f"refused zero.{name} (its own error says why)"
 
 
 def _call_rule(name):
@@ -2462,13 +2474,6 @@ def save_checkpoint(path, model, optimizer, **extra):
     (opt, model), path = _engine(model, optimizer), pathlib.Path(path)
 
     def checks():
-        if opt.tp_group:  # (first: a collective of the tp ranks) each tp slice is saved over a dp group of its own
-            paths = [None] * dist.get_world_size(opt.tp_group)
-            dist.all_gather_object(paths, os.path.abspath(path), group=opt.tp_group)
-            if len(set(paths)) < len(paths):  # into one path they would race
-                raise ValueError(f"every tensor-parallel slice into {path}: each is a checkpoint of its own; give "
-                                 f"each its own directory, e.g. f'{path}/tp{{tp_rank}}', tp_rank = dist.get_rank("
-                                 f"tp_group)")
         opt._settle()
         if path.exists():
             raise FileExistsError(f"{path} exists: save each checkpoint into a new directory (e.g. step_000100)")
@@ -2477,6 +2482,12 @@ def save_checkpoint(path, model, optimizer, **extra):
     _all_ranks_call(opt, "save_checkpoint", checks)
     part, group = opt.partition, opt.partition.group
     partial = path.with_name(path.name + ".partial")
+    if opt.tp_group:  # each tp slice is saved over a dp group of its own: into one path they would race
+        paths = [None] * dist.get_world_size(opt.tp_group)
+        dist.all_gather_object(paths, os.path.abspath(path), group=opt.tp_group)
+        if len(set(paths)) < len(paths):
+            raise ValueError(f"every tensor-parallel slice into {path}: each is a checkpoint of its own; give each "
+                             f"its own directory, e.g. f'{path}/tp{{tp_rank}}', tp_rank = dist.get_rank(tp_group)")
 
     def make_partial():
         shutil.rmtree(partial, ignore_errors=True)
