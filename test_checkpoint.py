@@ -483,6 +483,25 @@ def test_broken_checkpoints_are_refused_before_anything_is_loaded(world, tmp_pat
         assert message in str(refused.value)
 
 
+def on_rank_load_where_reading_raises_without_a_message(path):
+    def unreadable(self, rank):
+        raise EOFError()  # (an unpickler's error with no message)
+    if dist.get_rank() == 1:
+        zero.CheckpointReader.rest = unreadable
+    return on_rank_load_refused(path, {"stage": 3})
+
+
+@pytest.mark.xdist_group("world2")
+def test_a_file_that_fails_to_load_without_a_message_is_refused_on_every_rank(world, tmp_path):
+    """Rank 1's rest file raises an error with no message as it is read: both ranks refuse the load, naming
+    the files (before, rank 1 raised IndexError taking the message's first line, and rank 0 waited for it)."""
+    path = str(tmp_path / "ckpt")
+    world(2).run(on_rank_save, path, 3)
+    for error, changed in world(2).run(on_rank_load_where_reading_raises_without_a_message, path, timeout=60):
+        print(error)
+        assert "rank1.rest.pt, rank0.rest.pt or scalars.pt cannot be read: EOFError: " in error and changed == []
+
+
 @pytest.mark.xdist_group("world2")
 def test_a_directory_that_is_not_a_checkpoint_is_refused(world, tmp_path):
     (tmp_path / "empty").mkdir()

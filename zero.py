@@ -2695,8 +2695,8 @@ def load_checkpoint(path, model, optimizer):
                      for n in sorted(set(saved) | set(here)) if saved.get(n) != here.get(n)]
     except Exception as e:
         files = list(dict.fromkeys([f"rank{part.rank % manifest['nd']}.rest.pt", "rank0.rest.pt"]))  # (once each)
-        problems.append(f"{', '.join(files)} or scalars.pt cannot be read: {type(e).__name__}: "
-                        f"{str(e).splitlines()[0]}")
+        first_line = str(e).partition("\n")[0]  # (an error without a message has no line)
+        problems.append(f"{', '.join(files)} or scalars.pt cannot be read: {type(e).__name__}: {first_line}")
     everyone = [None] * part.nd
     dist.all_gather_object(everyone, problems, group=part.group)
     problems = sorted({p for ps in everyone for p in ps})
