@@ -1761,7 +1761,8 @@ def on_rank_backward_that_raised(stage, raise_at):
 
 
 @pytest.mark.xdist_group("world2")
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow),
+                                   3])  # (15-25 s a stage on 2 cores: stages 1-2 in the slow step)
 def test_training_after_a_backward_that_raised_matches_skipping_the_batch(world, stage):
     """zero_grad() after the error ends the broken backward: its reductions, and at stage 3 the
     parameters it gathered and its count of the gradients still to come."""
@@ -1830,8 +1831,8 @@ def on_rank_forward_that_raised(stage, error, raise_at):
 
 
 @pytest.mark.xdist_group("world2")
-@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow),
-                                   3])  # (40-50 s a stage on 2 cores: stages 1-2 in the slow step)
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow) for s in (0, 1, 2)] + [
+    3])  # (35-50 s a stage on 2 cores: stages 0-2 in the slow step)
 def test_training_after_a_forward_that_raised_matches_skipping_the_batch(world, stage):
     """A forward that raised leaves nothing behind once zero_grad() is called: stage 3 frees the
     unit it prefetched, and a BaseException that is not an Exception (KeyboardInterrupt), for
