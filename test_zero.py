@@ -1367,6 +1367,42 @@ def test_stage3_prefetches_the_next_unit_whatever_its_size(world):
         # Linear in backward
 
 
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def on_rank_prefetched_parameters_while_in_flight():
+    """In a second forward, as b runs, c is prefetched: what c.weight reads as there (in b's forward and in a
+    forward hook on b, after the prefetch started), and whether c then computes with its own values."""
+    torch.manual_seed(0)
+    net = Chain()
+    want = [p.detach().clone() for p in net.c.parameters()]
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=3, lr=0.0, prefetch=1)
+    model(torch.ones(2, 16)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    seen = []
+    net.b.register_forward_hook(lambda m, args, out: seen.append(net.c.weight.isnan().all().item()))
+    net.c.register_forward_hook(lambda m, args, out: seen.append(torch.equal(net.c.weight, want[0])))
+    model(torch.ones(2, 16)).sum().backward()
+    return seen
+
+
+@pytest.mark.xdist_group("world2b")
+def test_stage3_a_prefetched_parameter_reads_as_its_stand_in_until_its_module_runs(world):
+    """A prefetch leaves its all-gathers in flight: its parameters stay NaN stand-ins until the group is waited
+    for, so nothing reads (or saves for backward) a buffer an all-gather is still writing (before, they pointed
+    into it as soon as it started); its module then computes with its values."""
+    for seen in world(2).run(on_rank_prefetched_parameters_while_in_flight):
+        print("c.weight while prefetched is NaN, then c's own weight in its forward:", seen)
+        assert seen == [True, True], seen
+
+
 class Stack(nn.Module):
     """Blocks run in the order given. scaled: a parameter of the root's own makes the root a group,
     gathered for all of forward and, in backward, from when backward reaches it to its end."""

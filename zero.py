@@ -1617,8 +1617,6 @@ class ShardedParameters:
                                    f"zero.initialize (or restore a checkpoint into it)")
             self._check_same_group(g)
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-            for p, view, stand_in in self.views[g]:
-                p.data = view
             start = part.buckets[self.group_buckets[g][0]].start
             # one all-gather per bucket k: every rank's chunk (chunk,) -> buf's slice (chunk * nd,), each rank
             # sending its chunk to nd - 1; recorded in in_flight as it starts: _free waits for it, whatever raises
@@ -1653,10 +1651,14 @@ class ShardedParameters:
 
     def _wait_gathered(self, g):
         """Wait for group g's all-gathers, each leaving in_flight as it ends (an interrupt leaves the rest to
-        _free). A failure (of one, or of an earlier collective) raises at once, the group never taken for
+        _free); then its parameters become views into the buffer: until then they are stand-ins, so nothing
+        (a read outside its module, a backward node saved from it) reads a buffer an all-gather still writes.
+        A failure (of one, or of an earlier collective) raises at once, the group never taken for
         gathered: dropped if all its all-gathers ended, else left to them (peers may be stuck in the failed one,
         so waiting for the rest could hang this rank too)."""
-        works = self.in_flight.get(g, [])
+        if g not in self.in_flight:
+            return
+        works = self.in_flight[g]
         try:
             while works:
                 if works[0] is not None:  # (None: its start raised)
@@ -1667,7 +1669,9 @@ class ShardedParameters:
                 self.in_flight.pop(g)
                 self._drop(g)
             raise
-        self.in_flight.pop(g, None)
+        self.in_flight.pop(g)
+        for p, view, stand_in in self.views[g]:
+            p.data = view
 
     def _finish_prefetch(self):
         for g in list(self.in_flight):
