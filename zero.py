@@ -1818,10 +1818,13 @@ class ShardedParameters:
             call = _PINNED  # a weight read detached in this forward, the first (see _read)
         for g in gids:
             self.refcount[g] -= 1
-        if not self.gradients.in_backward:  # a forward recomputed in backward (P_a) keeps them for backward
+        if not self.gradients.in_backward:
             done = [g for g in gids if g not in self.shared and g not in self._kept() and self.refcount[g] == 0]
             self._release(done)
             self.finished.update(done)
+        else:  # a forward recomputed in backward (P_a) keeps what backward has reached; one recomputed ahead of
+            # its own backward (a checkpoint over several units) is freed, and gathered again there
+            self._release([g for g in gids if g not in self.reached])
         if torch.is_grad_enabled():  # gather again when backward reaches this module
             self._hook_backward(gids, out, call)
         return out
@@ -1881,6 +1884,7 @@ class ShardedParameters:
                                "create_graph=True would leave a graph that reads freed parameters: use stage 2")
         if not self.gradients.in_backward:  # does it accumulate gradients (not autograd.grad(loss, x))?
             self.gradients.begin(self._accumulates())
+        self.reached.update(gids)
         self._gather(gids)
         if call is _PINNED:  # kept to the end of each backward that reaches it (see _watch_inputs)
             for g in gids:
@@ -1934,6 +1938,7 @@ class ShardedParameters:
         self.grads_left, self.backward_ran = None, True  # (see _grads_left)
         self.inputs_left = [0] * len(self.groups)  # calls reached whose inputs' gradients are to come
         self.pinned = [False] * len(self.groups)  # kept to the end of backward (see _watch_inputs, _PINNED)
+        self.reached = set()  # groups whose module's output this backward has reached
         for call in self.calls_seen:  # a retained graph's next backward reaches them again
             call[:] = [False, False]
         self.calls_seen = []
