@@ -486,9 +486,13 @@ def test_broken_checkpoints_are_refused_before_anything_is_loaded(world, tmp_pat
 def on_rank_load_where_reading_raises_without_a_message(path):
     def unreadable(self, rank):
         raise EOFError()  # (an unpickler's error with no message)
+    rest = zero.CheckpointReader.rest
     if dist.get_rank() == 1:
         zero.CheckpointReader.rest = unreadable
-    return on_rank_load_refused(path, {"stage": 3})
+    try:
+        return on_rank_load_refused(path, {"stage": 3})
+    finally:  # (the ranks live on for the next test)
+        zero.CheckpointReader.rest = rest
 
 
 @pytest.mark.xdist_group("world2")

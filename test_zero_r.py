@@ -319,6 +319,45 @@ def test_stage3_a_checkpoint_over_several_units_regathers_each_in_its_own_backwa
         assert max(peaks) <= max(plain) + 1 < 10 and torch.equal(losses, want), (peaks, plain, losses, want)
 
 
+def on_rank_all_gathers_in_backward(checkpointed):
+    """Four Residual blocks (each Linear its own unit) and a head, zero.checkpoint_activations over the blocks or
+    not: all-gathers started in each step's backward, and the losses."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[Residual() for _ in range(4)], nn.Linear(64, 1))
+    if checkpointed:
+        zero.checkpoint_activations(list(net)[:4])
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=3, lr=0.1)
+    part, counts, losses = opt.partition, [], []
+    all_gather = part.all_gather
+
+    def counting_all_gather(*args, **kwargs):
+        counts[-1] += opt.gradients.in_backward
+        return all_gather(*args, **kwargs)
+
+    part.all_gather = counting_all_gather
+    for step in range(3):
+        counts.append(0)
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step + dist.get_rank()))
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return counts, torch.stack(losses)
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage3_a_recomputation_frees_only_what_it_gathered(world):
+    """A block's recomputation in backward runs after backward reached the block's last Linear and prefetched the
+    one before: neither is freed at the end of its recomputed forward (only a group the recomputation gathered
+    itself, ahead of its own backward), so backward starts as many all-gathers as without checkpointing (before
+    the fix, 4 more a step: each block's first Linear gathered twice); losses torch.equal."""
+    without = world(2).run(on_rank_all_gathers_in_backward, False)
+    for (counts, losses), (plain, want) in zip(world(2).run(on_rank_all_gathers_in_backward, True), without):
+        print(f"all-gathers in each step's backward: checkpointed {counts}, without {plain}")
+        assert counts == plain and torch.equal(losses, want), (counts, plain, losses, want)
+
+
 def on_rank_stage3_gathered_bytes_after_each_forward():
     torch.manual_seed(0)
     blocks = nn.ModuleList(Residual() for _ in range(4))

@@ -1669,9 +1669,9 @@ class ShardedParameters:
                 self.in_flight.pop(g)
                 self._drop(g)
             raise
+        for p, view, stand_in in self.views[g]:  # (before it leaves in_flight: an interrupt between the two
+            p.data = view  # would leave it gathered with stand-ins)
         self.in_flight.pop(g)
-        for p, view, stand_in in self.views[g]:
-            p.data = view
 
     def _finish_prefetch(self):
         for g in list(self.in_flight):
@@ -1783,6 +1783,8 @@ class ShardedParameters:
                 if self.backward_ran:  # the first forward after a backward starts the record anew
                     self.required, self.backward_ran = set(), False
                 self.required.update(p for p in self.groups[g] if p.requires_grad)
+            elif self.gradients.in_backward and not self._gathered(g):  # (not one backward or its prefetch holds)
+                self.recomputing.add(g)
         self._gather(gids)
         if not self.warned_autocast:
             self._warn_autocast()
@@ -1822,9 +1824,10 @@ class ShardedParameters:
             done = [g for g in gids if g not in self.shared and g not in self._kept() and self.refcount[g] == 0]
             self._release(done)
             self.finished.update(done)
-        else:  # a forward recomputed in backward (P_a) keeps what backward has reached; one recomputed ahead of
-            # its own backward (a checkpoint over several units) is freed, and gathered again there
-            self._release([g for g in gids if g not in self.reached])
+        else:  # a forward recomputed in backward (P_a) keeps what backward has reached or gathered ahead; a group
+            # it gathered for a module ahead of that module's backward (a checkpoint over several units) is freed,
+            # and gathered again there
+            self._release([g for g in gids if g in self.recomputing and g not in self.reached])
         if torch.is_grad_enabled():  # gather again when backward reaches this module
             self._hook_backward(gids, out, call)
         return out
@@ -1939,6 +1942,7 @@ class ShardedParameters:
         self.inputs_left = [0] * len(self.groups)  # calls reached whose inputs' gradients are to come
         self.pinned = [False] * len(self.groups)  # kept to the end of backward (see _watch_inputs, _PINNED)
         self.reached = set()  # groups whose module's output this backward has reached
+        self.recomputing = set()  # groups a forward recomputed in this backward gathered (see _post_forward)
         for call in self.calls_seen:  # a retained graph's next backward reaches them again
             call[:] = [False, False]
         self.calls_seen = []
