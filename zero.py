@@ -1288,17 +1288,20 @@ class ParameterReads(TorchFunctionMode):
     """In the first forward of the whole module: on_read(module, t, func) for each tensor t a torch function gets,
     in zero's hooks too (module: the innermost `running`, or None). Stages 1-2 learn what each module's code reads,
     another's parameters too (nn.MultiheadAttention reads out_proj.weight without calling out_proj); stage 3
-    refuses a read of a freed parameter."""
+    refuses a read of a freed parameter, and on_made(tensors read, result) watches what backward will read."""
 
-    def __init__(self, on_read):
+    def __init__(self, on_read, on_made=None):
         super().__init__()
-        self.on_read, self.running = on_read, []
+        self.on_read, self.on_made, self.running = on_read, on_made, []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor):
-                self.on_read(self.running[-1] if self.running else None, t, func)
-        return func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            self.on_read(self.running[-1] if self.running else None, t, func)
+        out = func(*args, **(kwargs or {}))
+        if self.on_made is not None:
+            self.on_made(tensors, out)
+        return out
 
 
 class FlatParameters:
@@ -1503,6 +1506,7 @@ class ShardedParameters:
         self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, {}
         self.tail = set()  # the groups backward gathers first (see _learn_order)
         self.reads, self.stand_ins = None, set()  # the first forward's check; the stand-ins' storages
+        self.group_of_storage = {}  # the first forward's: each buffer's storage -> its group (see _made)
         self.detached = set()  # groups the first forward read without a gradient edge (see _read)
         self.gradients = None  # the GradientBuckets, set by initialize
         self.warned_autocast = False
@@ -1740,9 +1744,38 @@ class ShardedParameters:
         self._release(self.tail)
         self.ahead, self.finished = set(), set()  # (also where it stopped between two modules)
 
+    def _made(self, tensors, out):
+        """In the first forward, an autograd node that saved a gathered parameter, or a view of one, checks once
+        backward has run it (after any gather its hooks made) that the parameter held its values. Backward runs a
+        term made from a module's weights after its outputs and kept aside (self.pen = self.weight.square().sum(),
+        added to the loss) before it reaches those outputs, so before their module is gathered again: it would
+        read the NaN stand-in or a freed buffer. (Not under saved-tensor hooks, a checkpoint's: reading its saved
+        tensors would run them.)"""
+        node, group = getattr(out, "grad_fn", None), self.group_of_storage
+        if node is None or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None or \
+                not any(t.untyped_storage()._cdata in group for t in tensors):
+            return
+        saved = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
+        saved = [(t, group[t.untyped_storage()._cdata]) for t in saved
+                 if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in group]
+        if saved:
+            node.register_hook(functools.partial(self._refuse_freed_read, saved))
+
+    def _refuse_freed_read(self, saved, grad_inputs, grad_outputs):
+        for t, g in saved:
+            if t.untyped_storage()._cdata != self.buffers[g].untyped_storage()._cdata or not self._gathered(g) \
+                    or g in self.in_flight:
+                raise RuntimeError(f"stage 3: backward reached a tensor made from the parameters of {self.names[g]} "
+                                   f"before it reached {self.names[g]}'s outputs, so they were not gathered and it "
+                                   f"read NaN or freed memory: a term made after the module's outputs and kept "
+                                   f"aside (an attribute, self.pen = self.weight.square().sum(), added to the loss) "
+                                   f"is differentiated first. Return the term from the module's forward as one of "
+                                   f"its outputs")
+
     def _start_reading(self):
         if not self.order_known and self.reads is None:
-            self.reads = ParameterReads(self._read)
+            self.group_of_storage = {b.untyped_storage()._cdata: g for g, b in enumerate(self.buffers) if b.numel()}
+            self.reads = ParameterReads(self._read, self._made)
             self.reads.__enter__()
 
     def _stop_reading(self):
