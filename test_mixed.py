@@ -499,14 +499,14 @@ def test_a_write_into_bf16_parameters_that_the_fp32_master_would_undo_names_the_
         assert len(errors) == 3 and all("fp32 master" in e and "without param_dtype" in e for e in errors), errors
 
 
-def on_rank_autocast_training(stage, recipe):
+def on_rank_autocast_training(stage, recipe, settings=None):
     """torch.autocast over fp32 parameters, 6 steps of AdamW with clipping, DDP (stage None) or
     zero. "bf16": no scaler. "fp16": DDP with torch.amp.GradScaler (unscale_, clip, step,
     update), zero with loss_scale=DynamicLossScale of the same settings and optimizer.backward;
     the scale starts high enough to overflow, and an inf on rank 0 in step 3. Per step: the scale
-    after it and the clip's norm; then the weights."""
+    after it and the clip's norm; then the weights. settings: the scalers' (init_scale, factors)."""
     model = make_model()
-    settings = dict(init_scale=2.0**16, growth_interval=2)
+    settings = settings or dict(init_scale=2.0**16, growth_interval=2)
     if stage is None:
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
@@ -547,8 +547,8 @@ def on_rank_autocast_training(stage, recipe):
     return log, weights
 
 
-def on_rank_autocast_against_ddp(stage, recipe):
-    (want_log, want), (got_log, got) = [on_rank_autocast_training(s, recipe) for s in (None, stage)]
+def on_rank_autocast_against_ddp(stage, recipe, settings=None):
+    (want_log, want), (got_log, got) = [on_rank_autocast_training(s, recipe, settings) for s in (None, stage)]
     return want_log, got_log, [n for n in want if not torch.equal(want[n], got[n])]
 
 
@@ -566,6 +566,19 @@ def test_autocast_and_grad_scalers_recipe_give_ddps_bits(world, stage, recipe):
         assert not differ, differ
     if recipe == "fp16":  # the recipe's overflows happened: the scale backed off
         assert min(s for s, n in want_log) < 2.0**16 and any(n == float("inf") for s, n in want_log), want_log
+
+
+@pytest.mark.xdist_group("world2")
+def test_a_loss_scale_of_any_factors_is_grad_scalers_fp32_value(world):
+    """GradScaler holds its scale in fp32, each backoff and growth rounded to it: DynamicLossScale does too.
+    Kept as a Python float, a backoff of 0.7 gave 45875.2 where GradScaler has 45875.19921875, and the
+    weights differed after the first step the scale unscaled."""
+    settings = dict(init_scale=2.0**16, growth_interval=2, backoff_factor=0.7, growth_factor=1.3)
+    for want_log, got_log, differ in world(2).run(on_rank_autocast_against_ddp, 2, "fp16", settings):
+        print("DDP + GradScaler (scale, norm) per step:", want_log)
+        assert got_log == want_log, got_log
+        assert not differ, differ
+        assert len({s for s, n in want_log}) > 2, want_log  # backed off and grown
 
 
 def on_rank_grad_scaler(stage, unscale_first):

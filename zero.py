@@ -192,6 +192,11 @@ class Precision:
         return torch.float32 if self.param_dtype in (torch.float16, torch.bfloat16) else None
 
 
+def _fp32(x):
+    """A number as fp32 holds it, GradScaler's scale's dtype: a float rounded to the nearest fp32 value."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
 @dataclass
 class DynamicLossScale:
     """fp16's dynamic loss scaling (Micikevicius et al. 2018; torch's GradScaler): the loss is multiplied
@@ -644,7 +649,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.static_scale = isinstance(loss_scale, (int, float))
         self.scaler = DynamicLossScale(loss_scale, growth_interval=2**62, backoff_factor=1.0, min_scale=0.0) \
             if self.static_scale else loss_scale
-        self.loss_scale = self.scaler.init_scale if self.scaler else 1.0
+        self.loss_scale = _fp32(self.scaler.init_scale) if self.scaler else 1.0
         gradients.require_scaled_backward = self.scaler is not None
         self.clean_steps, self.norm_plan = 0, None
         self.zero_grad()
@@ -866,7 +871,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.gradients.stepped = True  # this step's gradients are used: the next backward needs zero_grad()
         if self.overflow:  # (loss scaling only) skipped on every rank, the scale backed off
             s = self.scaler
-            self.loss_scale, self.clean_steps = max(self.loss_scale * s.backoff_factor, s.min_scale), 0
+            self.loss_scale, self.clean_steps = _fp32(max(self.loss_scale * s.backoff_factor, s.min_scale)), 0
             self._free_grads()
             return False
         used = self.gradients.used_anywhere
@@ -884,11 +889,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.clean_steps += 1
             # (>: counted under a longer interval, then resumed; an interval below 1 never grows, as in GradScaler)
             if 0 < self.scaler.growth_interval <= self.clean_steps:
-                self.loss_scale, self.clean_steps = self.loss_scale * self.scaler.growth_factor, 0
+                grown = _fp32(self.loss_scale * self.scaler.growth_factor)
+                self.loss_scale = grown if math.isfinite(grown) else self.loss_scale  # (as GradScaler)
+                self.clean_steps = 0
         if self.master is not None:  # fp32 master -> the 16-bit parameters
             self.parameters.copy_owned(self.owned, self.master)
+        self._count_writes(used)
         self.parameters.after_step()
         return True
+
+    def _count_writes(self, used):
+        """Each stepped parameter's version goes up, as torch.optim's in-place step makes it: a graph saved before
+        the step refuses a backward after it ("modified by an inplace operation") where it would differentiate the
+        stepped weights. Recorded anew: the step's write is not a user's (see _written_since_step)."""
+        for i, p in enumerate(self.partition.params[:self.n_trainable]):
+            if used[i]:
+                torch.autograd.graph.increment_version(p)
+        self.versions = [p._version for p in self.partition.params]
 
     def _written_since_step(self, record=True):
         """Parameters written in place through the Parameter (p.clamp_()) since the last step, initialize or
