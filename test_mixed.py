@@ -581,6 +581,41 @@ def test_a_loss_scale_of_any_factors_is_grad_scalers_fp32_value(world):
         assert len({s for s, n in want_log}) > 2, want_log  # backed off and grown
 
 
+def on_rank_scales_growing_past_fp32():
+    """Three clean steps (the loss times 0) from a scale of 2^127, growing every step: GradScaler's scales
+    (fp32 model, SGD), then zero's."""
+    scales = []
+    for system in ("GradScaler", "zero"):
+        model = make_model()
+        if system == "GradScaler":
+            opt, scaler = torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", 2.0**127,
+                                                                                          growth_interval=1)
+        else:
+            model, opt = zero.initialize(model, torch.optim.SGD, stage=1, lr=0.1, loss_scale=zero.DynamicLossScale(
+                2.0**127, growth_interval=1))
+        for step in range(3):
+            loss = loss_of(model, step, 0) * 0.0
+            if system == "GradScaler":
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.backward(loss)
+                opt.step()
+            opt.zero_grad()
+            scales.append(scaler.get_scale() if system == "GradScaler" else opt.loss_scale)
+    return scales[:3], scales[3:]
+
+
+@pytest.mark.xdist_group("world2")
+def test_a_loss_scale_does_not_grow_past_fp32(world):
+    """A growth past fp32's largest value is refused, as GradScaler refuses it: the scale stays 2^127 (as a
+    Python float it grew to 2^128, 2^129, ..., inf in the fp32 loss)."""
+    for want, got in world(2).run(on_rank_scales_growing_past_fp32):
+        print("GradScaler:", want, "zero:", got)
+        assert got == want == [2.0**127] * 3, (want, got)
+
+
 def on_rank_grad_scaler(stage, unscale_first):
     model, opt = zero.initialize(make_model(), torch.optim.AdamW, stage=stage, **OPTIM)
     scaler = torch.amp.GradScaler("cpu")
