@@ -214,6 +214,100 @@ def test_extra_that_cannot_be_loaded_back_is_refused_at_save(world, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+class Counting(torch.nn.Linear):
+    """A Linear that counts its forwards in extra state (as an observer, a quantisation scale or a step count
+    is kept): in module.state_dict() as "<name>._extra_state"."""
+
+    def __init__(self):
+        super().__init__(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+    def get_extra_state(self):
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state):
+        self.calls = state["calls"]
+
+
+def on_rank_extra_state(path, stage):
+    """Three forwards of a Counting unit, saved; loaded into a fresh one, and into a model without extra
+    state: full_state_dict's entry, the count after the load, the refusal."""
+    torch.manual_seed(0)
+    model, opt = zero.initialize(torch.nn.Sequential(Counting()), torch.optim.SGD, stage=stage, lr=0.1)
+    for _ in range(3):
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    full = zero.full_state_dict(model)["0._extra_state"]
+    zero.save_checkpoint(path, model, opt)
+    fresh, fresh_opt = zero.initialize(torch.nn.Sequential(Counting()), torch.optim.SGD, stage=stage, lr=0.1)
+    zero.load_checkpoint(path, fresh, fresh_opt)
+    plain, plain_opt = zero.initialize(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.optim.SGD, stage=stage,
+                                       lr=0.1)
+    with pytest.raises(zero.CheckpointError) as refused:
+        zero.load_checkpoint(path, plain, plain_opt)
+    return full, fresh[0].calls, str(refused.value)
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_modules_extra_state_is_saved_loaded_and_consolidated(world, tmp_path, stage):
+    """A module's get_extra_state() is part of its state_dict: full_state_dict raised TypeError on it (it is
+    not a tensor), save_checkpoint dropped it and the load left the fresh module's own, and consolidate's
+    state_dict failed torch's strict load (a missing key). Now it is kept through all four, and a model
+    without it is refused, naming the key."""
+    path = tmp_path / "ckpt"
+    for full, calls, refused in world(2).run(on_rank_extra_state, str(path), stage):
+        print("full_state_dict:", full, "| calls after the load:", calls, "|", refused)
+        assert full == {"calls": 3} and calls == 3
+        assert "0._extra_state is not in this model" in refused, refused
+    state = zero.consolidate(path)["model"]
+    torch.nn.Sequential(Counting()).load_state_dict(state)  # strict
+    assert state["0._extra_state"] == {"calls": 3}
+
+
+def on_rank_backward_through_a_graph_saved_before_a_load(path, stage):
+    """A step, saved; a forward, a load, then its backward: torch's error (stage None: the plain model and
+    load_state_dict), or zero's."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model, opt = (net, torch.optim.SGD(net.parameters(), lr=0.5)) if stage is None else \
+        zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.5)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    saved = {k: v.clone() for k, v in net.state_dict().items()} if stage is None else \
+        zero.save_checkpoint(path, model, opt)
+    loss = model(x).sum()
+    if stage is None:
+        net.load_state_dict(saved)
+    else:
+        zero.load_checkpoint(path, model, opt)
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return str(e).partition("[")[0]
+    return None
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_backward_through_a_graph_saved_before_a_load_raises_as_torchs_does(world, tmp_path, stage):
+    """torch's load_state_dict copies into the parameters, so autograd refuses a backward through a graph saved
+    before it; load_checkpoint wrote through zero's buffers, and that backward took the gradient of a forward
+    of the old weights at the loaded ones, with no error. It now counts as the same write."""
+    want = world(2).run(on_rank_backward_through_a_graph_saved_before_a_load, None, None)
+    got = world(2).run(on_rank_backward_through_a_graph_saved_before_a_load, str(tmp_path / "ckpt"), stage)
+    print("torch:", want[0], "| zero:", got)
+    assert want[0] is not None and "modified by an inplace operation" in want[0]
+    assert got == want, got
+
+
 def on_rank_rng_is_restored(path):
     model, opt = make(3)
     torch.manual_seed(7 + dist.get_rank())

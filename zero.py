@@ -20,6 +20,7 @@ Sections follow the paper: 3, 3.1, 5 and 7, 5.1, 5.2, 5.3, 6 (ZeRO-R); then `ini
 """
 import bisect
 import collections
+import copy
 import datetime
 import functools
 import gc
@@ -894,17 +895,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.clean_steps = 0
         if self.master is not None:  # fp32 master -> the 16-bit parameters
             self.parameters.copy_owned(self.owned, self.master)
-        self._count_writes(used)
+        self._count_writes([p for p, u in zip(self.partition.params, used) if u])
         self.parameters.after_step()
         return True
 
-    def _count_writes(self, used):
-        """Each stepped parameter's version goes up, as torch.optim's in-place step makes it: a graph saved before
-        the step refuses a backward after it ("modified by an inplace operation") where it would differentiate the
-        stepped weights. Recorded anew: the step's write is not a user's (see _written_since_step)."""
-        for i, p in enumerate(self.partition.params[:self.n_trainable]):
-            if used[i]:
-                torch.autograd.graph.increment_version(p)
+    def _count_writes(self, params):
+        """Each parameter written (by a step, a load) goes up a version, as torch.optim's in-place step and
+        load_state_dict's copy_ make it: a graph saved before refuses a backward after ("modified by an inplace
+        operation") where it would differentiate the new weights. Recorded anew: not a user's write (see
+        _written_since_step)."""
+        for p in params:
+            torch.autograd.graph.increment_version(p)
         self.versions = [p._version for p in self.partition.params]
 
     def _written_since_step(self, record=True):
@@ -2472,8 +2473,8 @@ def model_state_bytes(module):
 
 
 def full_state_dict(module):
-    """{name: full CPU tensor} for every parameter and buffer (floats in fp32 or wider), keyed as
-    module.state_dict(), identical on every rank of the data-parallel group (each tp rank gets its slices). A
+    """{name: full CPU tensor} for every parameter and buffer (floats in fp32 or wider), and rank 0's
+    get_extra_state() of each module that has one, keyed as module.state_dict(), identical on every rank of the data-parallel group (each tp rank gets its slices). A
     collective: call it on every rank. Gathered a bucket at a time: the device holds one bucket more."""
     opt, module = _engine(module)
     _all_ranks_call(opt, "full_state_dict", opt._settle)
@@ -2481,6 +2482,11 @@ def full_state_dict(module):
     flat = opt._to_flat(opt.master) if opt.master is not None else opt.parameters.full()
     part, state = opt.partition, {}
     for name, t in module.state_dict(keep_vars=True).items():
+        if not torch.is_tensor(t):  # a module's get_extra_state(): rank 0's
+            box = [copy.deepcopy(t)]
+            dist.broadcast_object_list(box, group_src=0, group=part.group)
+            state[name] = box[0]
+            continue
         if t in part.index:
             a = part.offsets[part.index[t]]
             value = flat[a:a + t.numel()].view(t.shape)
@@ -2567,9 +2573,11 @@ def save_checkpoint(path, model, optimizer, **extra):
                 for k in range(len(part.buckets)):
                     _raw(opt._saved_chunk(key, k)).tofile(f)
             _seal(partial, files, name)
-        buffers = _persistent_buffers(model)
+        buffers, extra_states = _persistent_buffers(model), _extra_states(model)
+        _loadable(extra_states, "a module's get_extra_state()")
         rest = f"rank{part.rank}.rest.pt"
-        files[rest] = {"rng": torch.get_rng_state(), "extra": extra, "buffers": buffers, "persistent": list(buffers)}
+        files[rest] = {"rng": torch.get_rng_state(), "extra": extra, "buffers": buffers, "persistent": list(buffers),
+                       "extra_states": extra_states}
         if part.device.type == "cuda":  # the device's own generator (dropout on the GPU)
             files[rest]["cuda_rng"] = torch.cuda.get_rng_state(part.device)
         torch.save(files[rest], partial / rest)
@@ -2620,6 +2628,15 @@ def _refuse_pending_gradients(opt, what, why):
     if opt.gradients.micro_batches > 0 and not opt.gradients.stepped:
         raise RuntimeError(f"{what} after a backward whose gradients no step has used: {why}; call it after "
                            f"optimizer.step() or optimizer.zero_grad()")
+
+
+EXTRA = torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX  # "_extra_state"
+
+
+def _extra_states(model):
+    """{state_dict key: value} of each module's get_extra_state(), where its class defines one."""
+    return {f"{name}.{EXTRA}" if name else EXTRA: m.get_extra_state() for name, m in model.named_modules()
+            if type(m).get_extra_state is not torch.nn.Module.get_extra_state}
 
 
 def _persistent_buffers(model):
@@ -2756,6 +2773,9 @@ def load_checkpoint(path, model, optimizer):
         problems += [f"another model: buffer {n} is {here.get(n, 'not in this model')} here, "
                      f"{saved.get(n, 'not')} saved"
                      for n in sorted(set(saved) | set(here)) if saved.get(n) != here.get(n)]
+        extra_states = reader.rest(0).get("extra_states", {})
+        problems += [f"another model: {n} {'is not saved' if n not in extra_states else 'is not in this model'}"
+                     for n in sorted(set(extra_states) ^ set(_extra_states(model)))]
     except Exception as e:
         files = list(dict.fromkeys([f"rank{part.rank % manifest['nd']}.rest.pt", "rank0.rest.pt"]))  # (once each)
         first_line = str(e).partition("\n")[0]  # (an error without a message has no line)
@@ -2771,6 +2791,7 @@ def load_checkpoint(path, model, optimizer):
         opt.parameters.copy_owned(opt.owned, opt.master)
     else:
         _read_own(opt, reader, "weights", opt.parameters.owned)
+    opt._count_writes(part.params)  # (before after_step records the versions its all-gather is issued at)
     opt.parameters.after_step(frozen_too=True)
     opt.parameters.wait()
     opt._written_since_step()  # writes before the load are overwritten by it, as they should be
@@ -2790,6 +2811,8 @@ def load_checkpoint(path, model, optimizer):
         opt.loss_scale, opt.clean_steps = manifest["loss_scale"], manifest["clean_steps"]
     for name, b in live.items():
         b.copy_(buffers[name])
+    for name, value in extra_states.items():
+        model.get_submodule(name[:-len(EXTRA)].rstrip(".")).set_extra_state(value)
     if manifest["nd"] == part.nd:  # each rank its own random stream; at another Nd the streams differ
         torch.set_rng_state(rest["rng"])
         if "cuda_rng" in rest and part.device.type == "cuda":
@@ -2846,6 +2869,7 @@ def consolidate(path, out=None):
     for name in rest.get("persistent", rest["buffers"]):  # floating point in fp32 or wider, as full_state_dict
         b = rest["buffers"][name]
         model[name] = b.to(torch.promote_types(b.dtype, torch.float32)) if b.is_floating_point() else b
+    model.update(rest.get("extra_states", {}))
     scalars, state, groups, index = reader.scalars(), {}, [], 0
     for saved in manifest["param_groups"]:
         groups.append({**{k: _as_held(None, v) for k, v in saved.items() if k != "params"},
