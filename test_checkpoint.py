@@ -233,41 +233,90 @@ class Counting(torch.nn.Linear):
         self.calls = state["calls"]
 
 
+class Scaled(torch.nn.Linear):
+    """A Linear whose extra state is an fp16 tensor of a size and value of this rank's."""
+
+    def __init__(self):
+        super().__init__(4, 4)
+        self.scale = torch.full((dist.get_rank() + 1,), dist.get_rank() + 2.0, dtype=torch.float16)
+
+    def get_extra_state(self):
+        return self.scale
+
+    def set_extra_state(self, state):
+        self.scale = state
+
+
+def counting_model():
+    counting = Counting()
+    return torch.nn.Sequential(counting, counting, Scaled())  # the counter under two names
+
+
 def on_rank_extra_state(path, stage):
-    """Three forwards of a Counting unit, saved; loaded into a fresh one, and into a model without extra
-    state: full_state_dict's entry, the count after the load, the refusal."""
+    """Three forwards of a model with extra state, saved; loaded into a fresh one, and into a model without
+    it: full_state_dict's entries, the fresh model's after the load, the refusal."""
     torch.manual_seed(0)
-    model, opt = zero.initialize(torch.nn.Sequential(Counting()), torch.optim.SGD, stage=stage, lr=0.1)
+    model, opt = zero.initialize(counting_model(), torch.optim.SGD, stage=stage, lr=0.1)
     for _ in range(3):
         model(torch.ones(1, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
-    full = zero.full_state_dict(model)["0._extra_state"]
+    full = {k: v for k, v in zero.full_state_dict(model).items() if k.endswith("_extra_state")}
     zero.save_checkpoint(path, model, opt)
-    fresh, fresh_opt = zero.initialize(torch.nn.Sequential(Counting()), torch.optim.SGD, stage=stage, lr=0.1)
+    fresh, fresh_opt = zero.initialize(counting_model(), torch.optim.SGD, stage=stage, lr=0.1)
     zero.load_checkpoint(path, fresh, fresh_opt)
-    plain, plain_opt = zero.initialize(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.optim.SGD, stage=stage,
-                                       lr=0.1)
+    shared = torch.nn.Linear(4, 4)
+    plain, plain_opt = zero.initialize(torch.nn.Sequential(shared, shared, torch.nn.Linear(4, 4)),
+                                       torch.optim.SGD, stage=stage, lr=0.1)
     with pytest.raises(zero.CheckpointError) as refused:
         zero.load_checkpoint(path, plain, plain_opt)
-    return full, fresh[0].calls, str(refused.value)
+    return full, (fresh[0].calls, fresh[2].scale), str(refused.value)
 
 
 @pytest.mark.xdist_group("world2")
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_modules_extra_state_is_saved_loaded_and_consolidated(world, tmp_path, stage):
-    """A module's get_extra_state() is part of its state_dict: full_state_dict raised TypeError on it (it is
-    not a tensor), save_checkpoint dropped it and the load left the fresh module's own, and consolidate's
-    state_dict failed torch's strict load (a missing key). Now it is kept through all four, and a model
-    without it is refused, naming the key."""
-    path = tmp_path / "ckpt"
-    for full, calls, refused in world(2).run(on_rank_extra_state, str(path), stage):
-        print("full_state_dict:", full, "| calls after the load:", calls, "|", refused)
-        assert full == {"calls": 3} and calls == 3
-        assert "0._extra_state is not in this model" in refused, refused
+    """A module's get_extra_state() is part of its state_dict: full_state_dict raised TypeError on it (a dict
+    is not a tensor), save_checkpoint dropped it and the load left the fresh module's own, and consolidate's
+    state_dict failed torch's strict load (a missing key). Now each is rank 0's in all four, whatever it is (a
+    tensor's dtype kept), under each name of a module listed twice, and a model without it is refused, naming
+    the key."""
+    path, rank0 = tmp_path / "ckpt", torch.full((1,), 2.0, dtype=torch.float16)
+    for full, (calls, scale), refused in world(2).run(on_rank_extra_state, str(path), stage):
+        print("full_state_dict:", full, "| after the load:", calls, scale, "|", refused)
+        assert full["0._extra_state"] == full["1._extra_state"] == {"calls": 6} and calls == 6
+        assert torch.equal(full["2._extra_state"], rank0) and torch.equal(scale, rank0)
+        assert refused.endswith(": another model: 0._extra_state is not in this model; another model: "
+                                "1._extra_state is not in this model; another model: 2._extra_state is not in "
+                                "this model"), refused
     state = zero.consolidate(path)["model"]
-    torch.nn.Sequential(Counting()).load_state_dict(state)  # strict
-    assert state["0._extra_state"] == {"calls": 3}
+    counting = Counting()
+    torch.nn.Sequential(counting, counting, torch.nn.Linear(4, 4)).load_state_dict(state, strict=False)
+    assert state["1._extra_state"] == {"calls": 6} and torch.equal(state["2._extra_state"], rank0)
+    assert sorted(state) == sorted(f"{i}.{k}" for i in range(3) for k in ("weight", "bias", "_extra_state"))
+
+
+def on_rank_load_into_counting_model(path, stage):
+    model, opt = zero.initialize(counting_model(), torch.optim.SGD, stage=stage, lr=0.1)
+    zero.load_checkpoint(path, model, opt)
+    return model[0].calls
+
+
+@pytest.mark.xdist_group("world2")
+def test_a_checkpoint_saved_before_extra_states_were_loads_and_keeps_the_models_own(world, tmp_path):
+    """A checkpoint whose rank files hold no extra states (saved before zero saved them) loads into a model
+    with extra state, which keeps its own, as such a load did then; it is not refused as another model."""
+    path = tmp_path / "ckpt"
+    world(2).run(on_rank_extra_state, str(path), 1)
+    manifest = json.loads((path / "manifest.json").read_text())
+    for r in range(2):
+        rest = path / f"rank{r}.rest.pt"
+        torch.save({k: v for k, v in torch.load(rest, weights_only=True).items() if k != "extra_states"}, rest)
+        with open(rest, "rb") as f:
+            manifest["files"][rest.name] = [os.path.getsize(f.name), hashlib.file_digest(f, "sha256").hexdigest()]
+    manifest["sha256"] = zero._manifest_digest(manifest)  # sealed again, as the older save did
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert world(2).run(on_rank_load_into_counting_model, str(path), 1) == [0, 0]
 
 
 def on_rank_backward_through_a_graph_saved_before_a_load(path, stage):

@@ -1453,15 +1453,17 @@ class Penalized(nn.Module):
 
 TERMS = {"square": lambda w: w.square().sum(),           # its node saves the weight itself
          "square of a view": lambda w: w.t().square().sum(),  # its node saves a view of the gathered buffer
+         # saved two nodes down (its node a view's), for the input's gradient
+         "linear of a 3-d input": lambda w: F.linear(torch.ones(2, 3, 8, requires_grad=True), w).sum(),
          "times 2": lambda w: (w * 2.0).sum()}           # its node saves no weight
 
 
-def on_rank_term_kept_as_an_attribute(stage, term, first):
+def on_rank_term_kept_as_an_attribute(stage, term, first, prefetch=1):
     """Three steps adding 0.01 x the first unit's kept term to the loss: the losses and the weights, or the error."""
     torch.manual_seed(0)
     net = nn.Sequential(Penalized(TERMS[term], first), Penalized(TERMS[term], first))
     model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1,
-                                 **({"stage3_units": list(net)} if stage == 3 else {}))
+                                 **({"stage3_units": list(net), "prefetch": prefetch} if stage == 3 else {}))
     losses = []
     try:
         for step in range(3):
@@ -1477,15 +1479,17 @@ def on_rank_term_kept_as_an_attribute(stage, term, first):
 
 
 @pytest.mark.xdist_group("world2b")
-@pytest.mark.parametrize("term,first", [("square", False), ("square of a view", False), ("square", True),
-                                        ("times 2", False)])
-def test_stage3_a_term_kept_as_an_attribute_that_backward_reaches_before_its_module_raises(world, term, first):
+@pytest.mark.parametrize("term,first,prefetch", [("square", False, 1), ("square of a view", False, 1),
+                                                 ("square of a view", False, 0), ("linear of a 3-d input", False, 1),
+                                                 ("square", True, 1), ("times 2", False, 1)])
+def test_stage3_a_term_kept_as_an_attribute_that_backward_reaches_before_its_module_raises(world, term, first,
+                                                                                           prefetch):
     """Autograd runs a term made from a unit's weight after the unit's outputs (kept as an attribute, added to
     the loss) before it reaches those outputs, so before the unit is gathered again: it read the NaN stand-in
-    (a view of the buffer: freed memory), losses NaN from the second step, with no error. Now the first
-    backward raises, naming the fix. A term made before the outputs (run after them) and one whose node saves
-    no weight train as at stage 0, bit for bit."""
-    got = world(2).run(on_rank_term_kept_as_an_attribute, 3, term, first)
+    (a view of the buffer: freed memory, a segmentation fault without prefetch), losses NaN from the second
+    step, with no error. Now the first backward raises before that node runs, naming the fix. A term made
+    before the outputs (run after them) and one whose node saves no weight train as at stage 0, bit for bit."""
+    got = world(2).run(on_rank_term_kept_as_an_attribute, 3, term, first, prefetch)
     if term != "times 2" and not first:
         for message in got:
             print(message)

@@ -1525,6 +1525,7 @@ class ShardedParameters:
         self.tail = set()  # the groups backward gathers first (see _learn_order)
         self.reads, self.stand_ins = None, set()  # the first forward's check; the stand-ins' storages
         self.group_of_storage = {}  # the first forward's: each buffer's storage -> its group (see _made)
+        self.made = []  # the first forward's: (node, what it saved of the buffers) (see _made)
         self.detached = set()  # groups the first forward read without a gradient edge (see _read)
         self.gradients = None  # the GradientBuckets, set by initialize
         self.warned_autocast = False
@@ -1763,29 +1764,36 @@ class ShardedParameters:
         self.ahead, self.finished = set(), set()  # (also where it stopped between two modules)
 
     def _made(self, tensors, out):
-        """In the first forward, an autograd node that saved a gathered parameter, or a view of one, checks once
-        backward has run it (after any gather its hooks made) that the parameter held its values. Backward runs a
-        term made from a module's weights after its outputs and kept aside (self.pen = self.weight.square().sum(),
-        added to the loss) before it reaches those outputs, so before their module is gathered again: it would
-        read the NaN stand-in or a freed buffer. (Not under saved-tensor hooks, a checkpoint's: reading its saved
-        tensors would run them.)"""
-        node, group = getattr(out, "grad_fn", None), self.group_of_storage
-        if node is None or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None or \
+        """In the first forward, each autograd node a torch function made (F.linear of a 3-d input makes three)
+        that saved a gathered parameter, or a view of one, is to check, before backward runs it, that the
+        parameter holds its values. Backward runs a term made from a module's weights after its outputs and kept
+        aside (self.pen = self.weight.square().sum(), added to the loss) before it reaches those outputs, so before
+        their module is gathered again: it would read the NaN stand-in or freed memory. (Not under saved-tensor
+        hooks, a checkpoint's: reading its saved tensors would run them.)"""
+        group = self.group_of_storage
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None or \
                 not any(t.untyped_storage()._cdata in group for t in tensors):
             return
-        saved = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
-        saved = [(t, group[t.untyped_storage()._cdata]) for t in saved
-                 if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in group]
-        if saved:
-            node.register_hook(functools.partial(self._refuse_freed_read, saved))
+        seen, nodes = {t.grad_fn for t in tensors}, [getattr(out, "grad_fn", None)]  # (the inputs': made before)
+        while nodes:
+            node = nodes.pop()
+            if node is None or node in seen or type(node).__name__ == "AccumulateGrad":
+                continue
+            seen.add(node)
+            nodes += [n for n, _ in node.next_functions]
+            saved = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
+            saved = [(t, group[t.untyped_storage()._cdata]) for t in saved
+                     if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in group]
+            if saved:
+                self.made.append((node, saved))
 
-    def _refuse_freed_read(self, saved, grad_inputs, grad_outputs):
+    def _refuse_freed_read(self, saved, grad_outputs):
         for t, g in saved:
             if t.untyped_storage()._cdata != self.buffers[g].untyped_storage()._cdata or not self._gathered(g) \
                     or g in self.in_flight:
                 raise RuntimeError(f"stage 3: backward reached a tensor made from the parameters of {self.names[g]} "
-                                   f"before it reached {self.names[g]}'s outputs, so they were not gathered and it "
-                                   f"read NaN or freed memory: a term made after the module's outputs and kept "
+                                   f"before it reached {self.names[g]}'s outputs, so they are not gathered and it "
+                                   f"would read NaN or freed memory: a term made after the module's outputs and kept "
                                    f"aside (an attribute, self.pen = self.weight.square().sum(), added to the loss) "
                                    f"is differentiated first. Return the term from the module's forward as one of "
                                    f"its outputs")
@@ -1797,10 +1805,15 @@ class ShardedParameters:
             self.reads.__enter__()
 
     def _stop_reading(self):
-        """The first forward's check ends with it, also when it raised (then the next one checks)."""
+        """The first forward's check ends with it, also when it raised (then the next one checks). The nodes _made
+        found get their check now, after the hooks that gather a module when backward reaches its outputs: a
+        node's pre-hooks run in the order registered."""
         if self.reads is not None:
             self.reads.__exit__(None, None, None)
             self.reads = None
+        for node, saved in self.made:
+            node.register_prehook(functools.partial(self._refuse_freed_read, saved))
+        self.made = []
 
     def _end_forward(self):
         """Free what no module holds: the shared groups, and groups prefetched for a module this forward
@@ -2482,7 +2495,7 @@ def full_state_dict(module):
     flat = opt._to_flat(opt.master) if opt.master is not None else opt.parameters.full()
     part, state = opt.partition, {}
     for name, t in module.state_dict(keep_vars=True).items():
-        if not torch.is_tensor(t):  # a module's get_extra_state(): rank 0's
+        if _is_extra(name):  # a module's get_extra_state(), whatever it is: rank 0's
             box = [copy.deepcopy(t)]
             dist.broadcast_object_list(box, group_src=0, group=part.group)
             state[name] = box[0]
@@ -2633,10 +2646,13 @@ def _refuse_pending_gradients(opt, what, why):
 EXTRA = torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX  # "_extra_state"
 
 
+def _is_extra(name):
+    return name == EXTRA or name.endswith("." + EXTRA)
+
+
 def _extra_states(model):
-    """{state_dict key: value} of each module's get_extra_state(), where its class defines one."""
-    return {f"{name}.{EXTRA}" if name else EXTRA: m.get_extra_state() for name, m in model.named_modules()
-            if type(m).get_extra_state is not torch.nn.Module.get_extra_state}
+    """{state_dict key: value} of each module's get_extra_state() (a module under two names: both)."""
+    return {name: value for name, value in model.state_dict(keep_vars=True).items() if _is_extra(name)}
 
 
 def _persistent_buffers(model):
@@ -2773,9 +2789,10 @@ def load_checkpoint(path, model, optimizer):
         problems += [f"another model: buffer {n} is {here.get(n, 'not in this model')} here, "
                      f"{saved.get(n, 'not')} saved"
                      for n in sorted(set(saved) | set(here)) if saved.get(n) != here.get(n)]
-        extra_states = reader.rest(0).get("extra_states", {})
-        problems += [f"another model: {n} {'is not saved' if n not in extra_states else 'is not in this model'}"
-                     for n in sorted(set(extra_states) ^ set(_extra_states(model)))]
+        extra_states = reader.rest(0).get("extra_states")  # None: saved before they were; the model's are kept
+        if extra_states is not None:
+            problems += [f"another model: {n} {'is not saved' if n not in extra_states else 'is not in this model'}"
+                         for n in sorted(set(extra_states) ^ set(_extra_states(model)))]
     except Exception as e:
         files = list(dict.fromkeys([f"rank{part.rank % manifest['nd']}.rest.pt", "rank0.rest.pt"]))  # (once each)
         first_line = str(e).partition("\n")[0]  # (an error without a message has no line)
@@ -2808,10 +2825,10 @@ def load_checkpoint(path, model, optimizer):
         group.update({k: _as_held(group.get(k), v) for k, v in saved.items() if k != "params"})
     # a dynamic scale goes on where one was saved; a static one is the number passed
     if opt.scaler and not opt.static_scale and manifest["loss_scale"] is not None:
-        opt.loss_scale, opt.clean_steps = manifest["loss_scale"], manifest["clean_steps"]
+        opt.loss_scale, opt.clean_steps = _fp32(manifest["loss_scale"]), manifest["clean_steps"]
     for name, b in live.items():
         b.copy_(buffers[name])
-    for name, value in extra_states.items():
+    for name, value in (extra_states or {}).items():
         model.get_submodule(name[:-len(EXTRA)].rstrip(".")).set_extra_state(value)
     if manifest["nd"] == part.nd:  # each rank its own random stream; at another Nd the streams differ
         torch.set_rng_state(rest["rng"])
