@@ -1455,6 +1455,8 @@ TERMS = {"square": lambda w: w.square().sum(),           # its node saves the we
          "square of a view": lambda w: w.t().square().sum(),  # its node saves a view of the gathered buffer
          # saved two nodes down (its node a view's), for the input's gradient
          "linear of a 3-d input": lambda w: F.linear(torch.ones(2, 3, 8, requires_grad=True), w).sum(),
+         "std of a tuple": lambda w: torch.std_mean(w)[0],  # a torch function returning a tuple
+         "in place": lambda w: torch.ones(8, 8, requires_grad=True).clone().mul_(w).sum(),  # a node for its input
          "times 2": lambda w: (w * 2.0).sum()}           # its node saves no weight
 
 
@@ -1481,6 +1483,7 @@ def on_rank_term_kept_as_an_attribute(stage, term, first, prefetch=1):
 @pytest.mark.xdist_group("world2b")
 @pytest.mark.parametrize("term,first,prefetch", [("square", False, 1), ("square of a view", False, 1),
                                                  ("square of a view", False, 0), ("linear of a 3-d input", False, 1),
+                                                 ("std of a tuple", False, 1), ("in place", False, 1),
                                                  ("square", True, 1), ("times 2", False, 1)])
 def test_stage3_a_term_kept_as_an_attribute_that_backward_reaches_before_its_module_raises(world, term, first,
                                                                                            prefetch):

@@ -1306,7 +1306,8 @@ class ParameterReads(TorchFunctionMode):
     """In the first forward of the whole module: on_read(module, t, func) for each tensor t a torch function gets,
     in zero's hooks too (module: the innermost `running`, or None). Stages 1-2 learn what each module's code reads,
     another's parameters too (nn.MultiheadAttention reads out_proj.weight without calling out_proj); stage 3
-    refuses a read of a freed parameter, and on_made(tensors read, result) watches what backward will read."""
+    refuses a read of a freed parameter, and on_made(tensors read, their nodes before the call, result) watches
+    what backward will read."""
 
     def __init__(self, on_read, on_made=None):
         super().__init__()
@@ -1316,9 +1317,11 @@ class ParameterReads(TorchFunctionMode):
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         for t in tensors:
             self.on_read(self.running[-1] if self.running else None, t, func)
+        # (before: an in-place call gives its input a new node; a view's, its base too)
+        before = self.on_made and {n for t in tensors for n in (t.grad_fn, t._base.grad_fn if t._is_view() else None)}
         out = func(*args, **(kwargs or {}))
         if self.on_made is not None:
-            self.on_made(tensors, out)
+            self.on_made(tensors, before, out)
         return out
 
 
@@ -1763,7 +1766,7 @@ class ShardedParameters:
         self._release(self.tail)
         self.ahead, self.finished = set(), set()  # (also where it stopped between two modules)
 
-    def _made(self, tensors, out):
+    def _made(self, tensors, before, out):
         """In the first forward, each autograd node a torch function made (F.linear of a 3-d input makes three)
         that saved a gathered parameter, or a view of one, is to check, before backward runs it, that the
         parameter holds its values. Backward runs a term made from a module's weights after its outputs and kept
@@ -1774,7 +1777,7 @@ class ShardedParameters:
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None or \
                 not any(t.untyped_storage()._cdata in group for t in tensors):
             return
-        seen, nodes = {t.grad_fn for t in tensors}, [getattr(out, "grad_fn", None)]  # (the inputs': made before)
+        seen, nodes = set(before), [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         while nodes:
             node = nodes.pop()
             if node is None or node in seen or type(node).__name__ == "AccumulateGrad":
@@ -2487,8 +2490,9 @@ def model_state_bytes(module):
 
 def full_state_dict(module):
     """{name: full CPU tensor} for every parameter and buffer (floats in fp32 or wider), and rank 0's
-    get_extra_state() of each module that has one, keyed as module.state_dict(), identical on every rank of the data-parallel group (each tp rank gets its slices). A
-    collective: call it on every rank. Gathered a bucket at a time: the device holds one bucket more."""
+    get_extra_state() of each module that has one, keyed as module.state_dict(), identical on every rank of the
+    data-parallel group (each tp rank gets its slices). A collective: call it on every rank. Gathered a bucket
+    at a time: the device holds one bucket more."""
     opt, module = _engine(module)
     _all_ranks_call(opt, "full_state_dict", opt._settle)
     # the fp32 master weights where they exist, else the parameters themselves
