@@ -12,10 +12,9 @@ Parameter Models" (Rajbhandari, Rasley, Ruwase, He; SC 2020), on torch.distribut
 
     python zero.py consolidate DIR OUT.pt    # a sharded checkpoint -> one plain torch state
 
-reduction="exact" (the default) divides each rank's gradients by Nd, as DDP does, and sums them in
-one fixed pairwise tree over the ranks ((g_0 + g_1) + (g_2 + g_3) at Nd 4): every stage and bucket
-size gives the same bits, DDP's at Nd 2 (beyond, DDP's order depends on its bucket layout).
-reduction="native" uses the backend's reduce-scatter, in its own order (on NCCL the same traffic).
+reduction="exact" (the default) divides each rank's gradients by Nd, as DDP does, and sums them in one fixed
+pairwise tree over the ranks ((g_0 + g_1) + (g_2 + g_3) at Nd 4): every stage and bucket size gives the same
+bits, DDP's at Nd 2. reduction="native" uses the backend's reduce-scatter, in its own order.
 Sections follow the paper: 3, 3.1, 5 and 7, 5.1, 5.2, 5.3, 6 (ZeRO-R); then `initialize`, checkpoints.
 """
 import bisect
@@ -56,7 +55,7 @@ if not hasattr(dist, "all_gather_single"):  # torch 2.13's name; before, all_gat
                       f"{torch.__version__}, which has no torch.distributed.all_gather_single")
 
 # Optimizers whose update of an element reads only that element's parameter, gradient and state:
-# sharded, they give the same bits as whole (not so LBFGS, SparseAdam, Adafactor or Muon).
+# sharded, they give the same bits as whole (not so LBFGS).
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                           torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
                           torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
@@ -86,10 +85,9 @@ def _dense_parts(t):
 
 
 def live_storages(device_type="cpu"):
-    """{storage id: storage} of every tensor (and .grad) alive on `device_type`, each storage once
-    (data_ptr() is 0 on meta and raises once freed). Skipped: a wrapper subclass (DTensor: its
-    local tensor counts), a FakeTensor (no memory) and an mkldnn tensor (no storage to read).
-    Tensors only C++ holds are not seen."""
+    """{storage id: storage} of every tensor (and .grad) alive on `device_type`, each storage once (not by
+    data_ptr(): 0 on meta, raises once freed). Skipped: wrapper subclasses (DTensor: its local tensor counts),
+    FakeTensor and mkldnn tensors (no storage). Tensors only C++ holds are not seen."""
     gc.collect()
     storages = {}
     with warnings.catch_warnings():
@@ -124,8 +122,7 @@ def _when_backward_reaches(t, fn):
 class MemoryHooks:
     """records: (phase, module name, allocated, reserved) at each module's forward start and end and
     backward start (every_module=False: the root's only), while `recording` is True. On CUDA from the
-    allocator (reserved - allocated is what M_D fights); on CPU, where the allocator reads 0, a record
-    walks every live tensor (record a few steps, not all)."""
+    allocator (reserved - allocated is what M_D fights); on CPU, where it reads 0, a slow walk over all live tensors."""
 
     def __init__(self, module, every_module=True):
         self.records, self.recording, self.saved = [], False, None
@@ -136,9 +133,9 @@ class MemoryHooks:
         module.register_forward_hook(lambda mod, args, out: self._stop_seeing(), always_call=True)
 
     def _see_saved_tensors(self):
-        """Autograd keeps some tensors it saves in C++ alone (cross_entropy's log_softmax output), unseen
-        by live_storages: in a recorded forward on CPU, every saved tensor is kept through a Python object.
-        Not under hooks of an enclosing torch.utils.checkpoint (around the module), which pack them already."""
+        """Autograd keeps some saved tensors in C++ alone (cross_entropy's log_softmax output), unseen by
+        live_storages: a recorded CPU forward keeps each through a Python object, unless an enclosing
+        torch.utils.checkpoint's hooks pack them already."""
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if self.recording and torch.is_grad_enabled() and not _on_cuda() and outer is None:
             self.saved = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
@@ -174,7 +171,7 @@ class MemoryHooks:
                       for phase in ("forward start", "forward end")]
         if start is None or end is None:
             raise ValueError(f"no recorded forward of module {name!r}: set recording = True around a forward and "
-                             f"name one of {sorted({r[1] for r in self.records})} (every_module=False: the root, '')")
+                             f"name one of {sorted({r[1] for r in self.records})}")
         return end - start
 
 
@@ -194,7 +191,7 @@ class Precision:
 
 
 def _fp32(x):
-    """A number as fp32 holds it, GradScaler's scale's dtype: a float rounded to the nearest fp32 value."""
+    """x rounded to the nearest fp32 value, as GradScaler's fp32 scale holds it."""
     return torch.tensor(x, dtype=torch.float32).item()
 
 
@@ -216,7 +213,7 @@ class DynamicLossScale:
 # most C_B elements (ALIGN x Nd where C_B is smaller; its last one padded); rank r owns chunk r of
 # every bucket, and its chunks end to end are its shard, its "own space" (shard_numel elements).
 # Figure 1's one contiguous shard per rank would reduce a bucket into one rank, whose link carries
-# Nd copies; per bucket, each rank sends and receives (Nd-1)/Nd of every bucket, a ring's volume (Section 7), at any Nd.
+# Nd copies; here each rank sends and receives (Nd-1)/Nd of every bucket, a ring's volume (Section 7).
 #   reduce-scatter  every rank's gradient bucket in, the mean of chunk r out on rank r
 #   all-gather      chunk r from rank r in, the whole bucket out on every rank
 @dataclass
@@ -302,9 +299,8 @@ class FlatPartition:
         return work, bucket, mine.view(1, chunk)
 
     def finish_reduce(self, pending, out, add):
-        """Wait for a reduce_scatter; write its mean into out (chunk,), or add it (add=True). Exact: the
-        Nd rows summed pairwise, a tree fixed by rank, one add over all of a level's pairs: ceil(log2 Nd)
-        kernels a bucket, where a rank-by-rank fold would launch Nd - 1."""
+        """Wait for a reduce_scatter; write its mean into out (chunk,), or add it (add=True). Exact: the Nd rows
+        summed in a pairwise tree fixed by rank, one add per level: ceil(log2 Nd) kernels a bucket, not Nd - 1."""
         work, bucket, rows = pending
         self.wait(work)  # `bucket` was kept alive until now: it is the send buffer
         if out.is_meta:  # memory_table.py's simulation: meta tensors hold no values to add
@@ -313,7 +309,7 @@ class FlatPartition:
             pairs = len(rows) // 2
             rows[0:2 * pairs:2].add_(rows[1:2 * pairs:2])
             rows = rows[0::2]  # the sums, and an odd last row as it was
-        if add:  # a later micro-batch: its mean added to the sum so far
+        if add:  # a later micro-batch
             out.add_(rows[0])
         else:
             out.copy_(rows[0])
@@ -339,8 +335,7 @@ class FlatPartition:
     def wait(self, work):
         """Wait for `work`, and first for each collective this rank started before it, in order. One can
         fail on a rank alone (gloo out of memory), its peers waiting in it for good: waiting for a later
-        one first would hang too, the error never raised. (NCCL ends a group's collectives in order
-        anyway; stage 3's gather check waits at once, with a timeout of its own.)"""
+        one first would hang too, the error never raised. (meet's checks wait at once, with a timeout.)"""
         self.refuse_after_failure()
         try:
             if any(w is work for w in self.unwaited):
@@ -431,11 +426,10 @@ _CHECK_GROUPS = {}  # data-parallel group -> the group its checks run on (see Fl
 
 
 def check_group(group=None):
-    """The group the checks that every rank is at the same point run on: over all the ranks on gloo, one of its
-    own (the first call is every rank's collective), so its 16 bytes wait behind no bucket in gloo's two worker
-    threads; else the group. (A subgroup's copy needs new_group(use_local_synchronization=True), which torch names
-    by the number of groups each rank belongs to: ranks in different numbers of groups would wait for each other
-    forever.)"""
+    """The group meet's checks run on: for a gloo group of all the ranks, one of its own (the first call is every
+    rank's collective), so its 16 bytes wait behind no bucket in gloo's two worker threads; else the group. (Not
+    for a subgroup: new_group(use_local_synchronization=True) names groups by each rank's count of groups, so
+    ranks in different numbers of groups would wait for each other forever.)"""
     group = group or dist.group.WORLD
     if dist.get_backend(group) != "gloo" or dist.get_world_size(group) != dist.get_world_size():
         return group
@@ -518,8 +512,7 @@ class MetaInit:
                  (t.isnan() if t.is_floating_point() or t.is_complex() else t == _unset_value(t)).any()]
         if unset:
             raise ValueError(f"init_fn left {unset} of {type(m).__name__} unset: init_fn(m) must fill every "
-                             f"parameter and buffer m holds itself, those computed in __init__ too (a mask, a "
-                             f"RoPE cache; nn.MultiheadAttention has no reset_parameters: fill its in_proj_*)")
+                             f"parameter and buffer m holds itself, those computed in __init__ too")
         for name, p in shared.items():
             setattr(m, name, p)
 
@@ -550,8 +543,7 @@ def _refuse_foreach(foreach, device):
 
 
 def _norm(grad, norm_type, foreach=None):
-    """A gradient's norm by the kernel clip_grad_norm_ uses on its device: torch._foreach_norm where there
-    are foreach kernels (CPU, CUDA; on CUDA its summation order may differ) or foreach=True, else vector_norm."""
+    """A gradient's norm by the kernel clip_grad_norm_ picks: _foreach_norm or vector_norm (bits differ on CUDA)."""
     _refuse_foreach(foreach, grad.device)
     if foreach or foreach is None and _has_foreach_support([grad], grad.device):
         return torch._foreach_norm([grad], norm_type)[0]
@@ -559,8 +551,7 @@ def _norm(grad, norm_type, foreach=None):
 
 
 class _PieceStates(collections.defaultdict):
-    """The torch optimizer's state (a defaultdict(dict)) keyed by this rank's pieces. Looking up a model
-    parameter raises, naming the fix, where a defaultdict would make and keep an empty state."""
+    """optim.state, keyed by this rank's pieces: looking up a model parameter raises (a defaultdict would keep {})."""
 
     def __init__(self, names, states):
         super().__init__(dict, states)
@@ -568,9 +559,9 @@ class _PieceStates(collections.defaultdict):
 
     def __missing__(self, key):
         if key in self.names:
-            raise KeyError(f"{self.names[key]} is a parameter of the model, but zero's optimizer keeps its state in "
-                           f"pieces of each rank's shard (the keys of optimizer.state): zero.full_optimizer_state("
-                           f"model)[{self.names[key]!r}] gathers it whole, once a step has made it (a collective)")
+            raise KeyError(f"{self.names[key]} is a model parameter, but optimizer.state is keyed by pieces of this "
+                           f"rank's shard: zero.full_optimizer_state(model)[{self.names[key]!r}] gathers it whole, "
+                           f"once a step has made it (a collective)")
         return super().__missing__(key)
 
     def __copy__(self):  # (defaultdict's would call the constructor with its own arguments)
@@ -581,9 +572,8 @@ class _PieceStates(collections.defaultdict):
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """The optimizer a user steps (backward with fp16 loss scaling, clip_grad_norm_, step, zero_grad) over the
-    parameters (5.1 or 5.3) and gradient buckets (5.2). A torch.optim.Optimizer for LR schedulers, never
-    __init__ed: `optim`, the torch optimizer over this rank's pieces, holds the groups and state."""
+    """Steps the parameters (5.1, 5.3) from the gradient buckets (5.2). A torch.optim.Optimizer for LR schedulers,
+    never __init__ed: `optim`, the torch optimizer over this rank's pieces, holds the groups and state."""
 
     def __init__(self, module, partition, parameters, gradients, precision, loss_scale, start,
                  optimizer_class, param_groups, optimizer_kwargs, tp_group):
@@ -595,8 +585,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                               (partition.chunk(k), partition.own(k)) for k in range(len(partition.buckets))]
         self.own_numel = sum(o.stop - o.start for f, o in owned)
         self.n_trainable = sum(p.requires_grad for p in partition.params)
-        # A parameter's pieces in consecutive buckets lie end to end in own space: where the optimizer's tensors
-        # are own-space ones (fp32 master, stage 3's shard) they merge, a tensor per parameter, not per bucket.
+        # A parameter's pieces in consecutive buckets lie end to end in own space: where the optimizer steps
+        # own-space tensors (fp32 master, stage 3's shard) they merge into one per parameter.
         merge = precision.master_dtype is not None or parameters.in_own_space
         self.pieces = []
         for (f, o), b in zip(owned, partition.buckets):
@@ -611,8 +601,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     self.pieces[-1] = Piece(i, flat, slice(last.own.start, own.stop))
                 else:
                     self.pieces.append(Piece(i, slice(lo, hi), own))
-        # start(k): bucket k's starting values (rank 0's, or initialised here from meta); the parameters
-        # load them bucket by bucket, the fp32 master its owned ranges (full precision, before any cast)
+        # start(k): bucket k's starting values (rank 0's, or from meta); the fp32 master copies its ranges uncast
         self.master = torch.empty(self.own_numel, dtype=precision.master_dtype, device=partition.device) \
             if precision.master_dtype else None
         self.weights_dtype = precision.master_dtype or precision.param_dtype  # the optimizer's weights and states
@@ -681,13 +670,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.gradients.finished:
             return
         if self.gradients.stepped:
-            raise RuntimeError("step() has used this step's gradients and freed them: call optimizer.zero_grad() "
-                               "and run the next backward before clip_grad_norm_() or step()")
+            raise RuntimeError("step() has used and freed this step's gradients: call optimizer.zero_grad() and run "
+                               "the next backward before clip_grad_norm_() or step()")
         unfrozen = [self.names[p] for p in self.partition.params[self.n_trainable:] if p.requires_grad]
         if unfrozen:
             raise RuntimeError(f"{unfrozen[:3]} had requires_grad=False at zero.initialize, which laid out gradients "
-                               f"and optimizer states for trainable parameters only: set requires_grad=True before "
-                               f"zero.initialize (freezing later works)")
+                               f"and states for trainable ones only: set requires_grad=True before zero.initialize")
         self.gradients.finish()
         self.overflow = False
         if self.scaler:  # (reading the flag waits for the device: only with loss scaling)
@@ -706,13 +694,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             grad = grad.clone()
         if self.scaler:  # times the scale's reciprocal, as GradScaler.unscale_: the fp32 scale inverted in fp64
             grad.mul_(torch.tensor(self.loss_scale, dtype=torch.float32).double().reciprocal().float().item())
-        for clip in self.clips:  # (one per clip_grad_norm_ or clip_grad_value_ this step, in call order)
+        for clip in self.clips:  # (one per clip call this step, in call order)
             clip(grad)
         return grad
 
     def clip_grad_value_(self, clip_value, foreach=None):
-        """torch.nn.utils.clip_grad_value_, bit for bit: elementwise, so each rank clamps its own part (with
-        either of torch's kernels, which foreach chooses between: the same bits)."""
+        """torch.nn.utils.clip_grad_value_, bit for bit: each rank clamps its own part (foreach changes no bit)."""
         clip_value = float(clip_value)
         _refuse_foreach(foreach, self.partition.device)
         if self.gradients.micro_batches > 0:  # (no backward yet: nothing to clip)
@@ -754,11 +741,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return total
 
     def _tp_norm(self, norms, params, norm_type):
-        """The norm over every tp rank's slices: split parameters count on every tp rank, replicated ones
-        on tp rank 0 only; one all-reduce of a scalar."""
+        """The norm over every tp rank's slices: split parameters count on each, replicated ones on tp rank 0 only."""
         if norm_type == 0:
-            raise ValueError("clip_grad_norm_(norm_type=0) counts the parameters with a nonzero gradient, which the "
-                             "tensor-parallel slices of a parameter cannot add up to: clip by norm_type 2 (or 1, inf)")
+            raise ValueError("clip_grad_norm_(norm_type=0) counts parameters with a nonzero gradient, which "
+                             "tensor-parallel slices cannot add up to: clip by norm_type 2")
         first = dist.get_rank(self.tp_group) == 0
         mine = [n for n, p in zip(norms, params) if getattr(p, "tensor_model_parallel", False) or first]
         if not mine:  # nothing here: the identity of the reduction below
@@ -775,9 +761,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _norm_plan(self):
         """Rounds of transfers bringing each gradient whole to its norm rank (the one holding all of it, else the
-        least loaded), a bucket's worth of every norm rank at a time. Per round, in rank order: this rank's sent
-        own-space slices, elements per rank, received pieces (parameter, start in it, length), elements per
-        rank, whether anything moves. Index arithmetic, made on the first clip."""
+        least loaded), a bucket's worth of every norm rank at a time. Per round, in rank order: slices sent, elements
+        per rank, pieces received (parameter, start, length), elements per rank; then whether anything moves."""
         if self.norm_plan is not None:
             return self.norm_plan
         part, me = self.partition, self.partition.rank
@@ -856,11 +841,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 norms[i] = _norm(wholes.pop(i)[0], norm_type, foreach)
 
     def step(self, closure=None):
-        """Update this rank's part and make the parameters whole again. Returns False when fp16
-        loss scaling found an overflow and skipped the step on every rank."""
+        """Update this rank's part and make the parameters whole again; False where an fp16 overflow skipped it."""
         if closure is not None:
-            raise TypeError("step() takes no closure: run the forward and backward (optimizer.backward(loss) "
-                            "for fp16) before optimizer.step(), which returns False where fp16 skipped the step")
+            raise TypeError("step() takes no closure: run the forward and backward (optimizer.backward(loss) for fp16) "
+                            "before optimizer.step()")
         if hasattr(self, "found_inf"):  # set by torch.amp.GradScaler.step (see _step_supports_amp_scaling)
             del self.grad_scale, self.found_inf  # (GradScaler deletes them only after a step that returns)
             raise RuntimeError("torch.amp.GradScaler cannot see zero's gradients (p.grad stays None): drop it, pass "
@@ -900,18 +884,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return True
 
     def _count_writes(self, params):
-        """Each parameter written (by a step, a load) goes up a version, as torch.optim's in-place step and
-        load_state_dict's copy_ make it: a graph saved before refuses a backward after ("modified by an inplace
-        operation") where it would differentiate the new weights. Recorded anew: not a user's write (see
-        _written_since_step)."""
+        """Each parameter written (by a step, a load) goes up a version, as with torch.optim, so that a backward through
+        a graph saved before raises ("modified by an inplace operation"). Recorded anew: not a user's write."""
         for p in params:
             torch.autograd.graph.increment_version(p)
         self.versions = [p._version for p in self.partition.params]
 
     def _written_since_step(self, record=True):
-        """Parameters written in place through the Parameter (p.clamp_()) since the last step, initialize or
-        load_checkpoint, their versions recorded anew if `record` (zero's own writes change no version; one
-        through p.data is unseen)."""
+        """Parameters written in place (p.clamp_()) since the last step, initialize or load_checkpoint, their versions
+        recorded anew if `record`. zero's own writes change no version; one through p.data is unseen."""
         versions = [p._version for p in self.partition.params]
         written = [self.names[p] for p, a, b in zip(self.partition.params, self.versions, versions) if a != b]
         if record:
@@ -928,29 +909,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  and not getattr(p, "_zero_laid_out", False)] if module is not None else []
         if added:
             raise RuntimeError(f"rank {self.partition.rank}: {added[:3]} were registered after zero.initialize, so the "
-                               f"step would not update them (a new layer, a parametrization such as weight_norm): add "
-                               f"layers and apply parametrizations before zero.initialize")
+                               f"step would not update them: add layers and parametrize before zero.initialize")
         moved = [self.names[p] for p in self.partition.params if not self.parameters.holds(p)]
         if moved:
             raise RuntimeError(f"rank {self.partition.rank}: {moved[:3]} got storage outside zero's buffers (p.data = "
-                               f"t, vector_to_parameters), so the step would not update them: rebuild the model and "
-                               f"set the values before zero.initialize (or load a checkpoint); between steps write in "
-                               f"place (with torch.no_grad(): p.copy_(t)), at stages 0-2 in fp32")
+                               f"t, vector_to_parameters), so the step would not update them: set the values before "
+                               f"zero.initialize, or between steps write in place (p.copy_(t)) at stages 0-2 in fp32")
         written = self._written_since_step(record)
         if written and self.parameters.in_own_space:
             self.parameters.refill_stand_ins()
         if written and (self.master is not None or self.parameters.in_own_space):
             why = (f"the step would overwrite them with the fp32 master weights (param_dtype="
                    f"{self.precision.param_dtype})" if self.master is not None else
-                   "at stage 3 a parameter holds this rank's values only as its shard, which such a write does "
-                   "not reach (outside its module's forward it changed no weight)")
+                   "at stage 3 a parameter holds this rank's values only as its shard, which such a write misses")
             raise RuntimeError(f"rank {self.partition.rank}: {written[:3]} were written in place since the last "
                                f"step, but {why}: set the values before zero.initialize, restore them with "
                                f"zero.load_checkpoint, or write them between steps at stages 0-2 without param_dtype")
 
     def _settle(self):
-        """Before a call reads the weights: the all-gather in flight waited for (stages 1-2; it checks no write
-        raced it), and no write the call would miss."""
+        """Before a call reads the weights: wait for stages 1-2's all-gather, refuse writes the call would miss."""
         self.parameters.wait()
         self._refuse_lost_writes(record=False)
 
@@ -970,9 +947,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.overflow = False
 
     def state_dict(self):
-        raise RuntimeError("the optimizer's state is zero's (sharded over the ranks from stage 1 on): zero."
-                           "save_checkpoint(path, model, optimizer) saves it (loadable at any Nd and stage), "
-                           "zero.full_optimizer_state(model) gathers it")
+        raise RuntimeError("the optimizer's state is zero's (sharded over the ranks from stage 1 on): save it with "
+                           "zero.save_checkpoint(path, model, optimizer)")
 
     def load_state_dict(self, state_dict):
         raise RuntimeError("the optimizer's state is zero's (sharded over the ranks from stage 1 on): restore it "
@@ -1030,11 +1006,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 # -----------------------------------------------------------------------------------------
 # Section 5.2 -- P_os+g: gradient buckets, reduced during backward.
-# A bucket is reduced once all its gradients are in, in the order backward fills them (flat order
-# reversed until a step has shown it on rank 0), one in flight while backward computes the next.
-# Stages 0-1 keep the full gradient (4Ψ in fp32, the buckets views into it); stages 2-3 only the
-# reduced chunks (4Ψ/Nd), each bucket living until it is reduced.
-# Each micro-batch's backward is reduced on its own and added to the sum so far.
+# A bucket is reduced once all its gradients are in, in the order backward fills them (flat order reversed until a
+# step has shown it on rank 0), one in flight while backward computes the next. Stages 0-1 keep the full gradient
+# (4Ψ in fp32, the buckets views into it); stages 2-3 only the reduced chunks (4Ψ/Nd), each bucket living until it
+# is reduced. Each micro-batch's backward is reduced on its own and added to the sum so far.
 class GradientBuckets:
     def __init__(self, partition, precision, keep_full, replicate, on_grad, on_backward_end, name):
         """keep_full: stages 0-1; replicate: stage 0 (see finish). on_grad, on_backward_end: the parameters' hooks."""
@@ -1064,12 +1039,12 @@ class GradientBuckets:
     def zero_grad(self):
         if self.in_backward:  # a backward that raised never reached its end: end it, dropping its gradients
             for k, (work, *_) in self.in_reduction:
-                self.partition.wait(work)  # (its send buffer may be the full gradient, which the next backward writes)
+                self.partition.wait(work)  # its send buffer may be the full gradient, which the next backward writes
             self.on_backward_end()  # stage 3: the groups it gathered are freed, its counts reset
         for p in self.partition.params:
             p.grad = None
         self.micro_batches, self.used_so_far, self.used_flags = 0, [False] * self.n_trainable, []
-        self.finished, self.stepped = False, False  # finished: reduced by a clip or step(); stepped: used
+        self.finished, self.stepped = False, False  # finished: reduced by a clip or step(); stepped: step() used them
         self._new_backward()
 
     @property
@@ -1079,8 +1054,7 @@ class GradientBuckets:
         return self.used_so_far
 
     def _read_flags(self):
-        """Wait for each backward's flags: the parameters some rank used, and whether gradients filled every
-        bucket on rank 0 (see _agree_on_order)."""
+        """Wait for each backward's flags: the parameters some rank used, and whether rank 0 filled every bucket."""
         for work, used in self.used_flags:
             self.partition.wait(work)
             *flags, seen = used.bool().tolist()
@@ -1122,21 +1096,20 @@ class GradientBuckets:
                                "clip after the step's last backward, just before step()")
         if self.stepped:  # its sum would be added to the gradients the step has used
             raise RuntimeError(f"backward reached {self.name}'s parameters after its optimizer.step() without "
-                               f"optimizer.zero_grad() (or model.zero_grad()): zero the gradients after each step "
-                               f"(also before another model's loss backpropagates through this one). A module made "
-                               f"around the model after zero.initialize (torch.compile's) clears only p.grad, which "
-                               f"zero leaves None: call optimizer.zero_grad()")
+                               f"optimizer.zero_grad(): zero the gradients after each step, also before another "
+                               f"model's loss backpropagates through this one. A wrapper made after zero.initialize "
+                               f"(torch.compile's) clears only p.grad, which zero leaves None: "
+                               f"call optimizer.zero_grad()")
         if self.require_scaled_backward and not self.scaled_backward:
             raise RuntimeError(f"with fp16 loss scaling, call optimizer.backward(loss) instead of loss.backward(); "
                                f"where it is another model's optimizer.backward(loss) reaching {self.name}'s "
-                               f"parameters (a GAN's generator loss through its discriminator), freeze {self.name} "
-                               f"for it (requires_grad_(False)): its gradients would carry the other loss scale")
+                               f"parameters, freeze {self.name} for it (requires_grad_(False)): its gradients would "
+                               f"carry the other loss scale")
         self._skip_unreached()  # (after the checks: a backward refused has started no collective)
 
     def walk_graph(self, out):
-        """find_unused_parameters=True, after each forward of the whole module that builds a graph (DDP's walk): the
-        trainable parameters whose gradient edge the graph of its output reaches, added to those of other forwards
-        since the last backward. A reentrant checkpoint builds its graph in backward: then every one counts."""
+        """find_unused_parameters=True, after each forward of the whole module (DDP's walk): add the trainable
+        parameters its output's graph reaches. A reentrant checkpoint builds its graph in backward: then all count."""
         nodes = [get_gradient_edge(t).node for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
                  and t.requires_grad]
         if not nodes:  # (a forward under no_grad)
@@ -1155,10 +1128,9 @@ class GradientBuckets:
         self.reached = reached
 
     def _skip_unreached(self):
-        """At a backward's start, the parameters it cannot reach contribute zeros now, so that the buckets after theirs
-        in the order are reduced as they fill, not held to backward's end (stages 2-3: up to the whole gradient): one
-        frozen after zero.initialize, and (find_unused_parameters=True) one outside the graph of the forwards since
-        the last backward (a dropped layer, an expert no token chose)."""
+        """At a backward's start, the parameters it cannot reach contribute zeros now, so that later buckets in the
+        order are reduced as they fill, not held to backward's end (stages 2-3: up to the whole gradient): those frozen
+        after zero.initialize, and (find_unused_parameters=True) those the walks since the last backward missed."""
         reached, self.reached = self.reached, None
         for i, p in enumerate(self.partition.params[:self.n_trainable]):
             if not p.requires_grad or reached is not None and i not in reached:
@@ -1172,7 +1144,6 @@ class GradientBuckets:
             self._one_more_in(k)
 
     def grad_ready(self, p):
-        """Post-accumulate-grad hook: p's gradient for this backward is complete."""
         if p.grad is None:  # frozen after the forward that read it: torch accumulates nothing but calls the hook
             self.begin(for_params=False)
             self.on_grad(p)
@@ -1182,17 +1153,15 @@ class GradientBuckets:
         if i in self.skipped:  # (find_unused_parameters: its bucket may be reduced already)
             raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient though the graph of the forward "
                                f"output did not reach it, so find_unused_parameters=True took it as unused: it is "
-                               f"read outside the model's forward (a loss reading model.head.weight, a tensor a module "
-                               f"keeps for the loss): return what it computes from the forward, or leave "
-                               f"find_unused_parameters off")
+                               f"read outside the forward (a loss reading model.head.weight): return what the loss "
+                               f"needs from the forward")
         if self.used[i]:  # its bucket may be reduced already: the second part would be lost
             raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient twice in one backward: a "
                                f"module called more than once inside torch.utils.checkpoint(use_reentrant=True) (or "
                                f"used inside and outside it); use use_reentrant=False (or zero.checkpoint_activations)")
         if p.grad.layout != torch.strided:
-            raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a sparse gradient "
-                               f"(nn.Embedding or nn.EmbeddingBag with sparse=True): ZeRO's buckets are dense; build "
-                               f"the layer with sparse=False")
+            raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a sparse gradient (nn.Embedding with "
+                               f"sparse=True): ZeRO's buckets are dense; build the layer with sparse=False")
         self.used[i] = True
         grad, a = p.grad.view(-1), part.offsets[i]
         for k, lo, hi in part.segments_of[i]:  # copy into the bucket(s) it falls in
@@ -1243,9 +1212,8 @@ class GradientBuckets:
         self._reduce_ready_buckets()
         while self.in_reduction:
             self._finish_reduction()
-        # A parameter unused on every rank in every micro-batch keeps no gradient (as DDP's
-        # find_unused_parameters=True). The flags travel while the next micro-batch runs.
-        # and one more flag: rank 0's gradients filled every bucket (see _agree_on_order)
+        # As with DDP's find_unused_parameters=True, a parameter no rank used in any micro-batch keeps no gradient.
+        # One more flag: rank 0 filled every bucket (see _agree_on_order). The flags travel while the next runs.
         used = torch.tensor(self.used + [filled_all and part.rank == 0], dtype=torch.int32, device=part.flag_device)
         work = part.start(dist.all_reduce, used, op=dist.ReduceOp.MAX)  # (n_trainable + 1,)
         self.used_flags.append((work, used))
@@ -1254,11 +1222,10 @@ class GradientBuckets:
         self._new_backward()
 
     def _agree_on_order(self):
-        """At the step after the first backward in which gradients filled every bucket on rank 0: from then on
-        reduce in that backward's order (rank 0's broadcast, once), as DDP rebuilds its buckets. A module
-        registered before the modules it runs after (a head defined first) would otherwise hold every bucket
-        filled after it until its own is reduced: up to the whole gradient, at stages 2-3 too. Until then (a
-        parameter frozen or unused on rank 0 so far) the buckets go in flat order reversed."""
+        """From the step after the first backward that filled every bucket on rank 0, reduce in that backward's
+        order (rank 0's broadcast, once), as DDP rebuilds its buckets. Until then, in flat order reversed, a module
+        registered before those it runs after (a head defined first) holds every bucket filled after it until its
+        own is reduced: up to the whole gradient, at stages 2-3 too."""
         order = torch.tensor(self.first_filled or self.order, dtype=torch.int64, device=self.partition.flag_device)
         self.partition.wait(self.partition.start(dist.broadcast, order, group_src=0))  # (trainable buckets,)
         self.order, self.order_agreed = order.tolist()[::-1], True
@@ -1299,9 +1266,8 @@ def _call_weakly(method, *args):
 
 
 # -----------------------------------------------------------------------------------------
-# Stages 0-2 keep every parameter, each a view into one flat buffer (padded_numel,). After the
-# step (5.1), stages 1-2 all-gather each bucket's updated chunks in place, left in flight: each
-# module's next forward waits for the buckets that cover the parameters it reads.
+# Stages 0-2 keep every parameter, a view into one flat buffer (padded_numel,). After the step (5.1), stages 1-2
+# all-gather each bucket's updated chunks in place, left in flight: a module's next forward waits for those it reads.
 class ParameterReads(TorchFunctionMode):
     """In the first forward of the whole module: on_read(module, t, func) for each tensor t a torch function gets,
     in zero's hooks too (module: the innermost `running`, or None). Stages 1-2 learn what each module's code reads,
@@ -1467,11 +1433,10 @@ class FlatParameters:
 
 # -----------------------------------------------------------------------------------------
 # Section 5.3 -- P_os+g+p: parameters exist in full only while a module uses them.
-# Per-rank model states: (4 + 4 + K)Ψ/Nd, this rank's chunk of every bucket. Before a module's forward and
-# again before its backward its parameters are all-gathered, bucket by bucket, into the buffer they are views
-# of (Section 7.2.2: Ψ in forward, Ψ in backward, less the last units, which forward keeps for backward), and
-# freed after forward and once backward has all their gradients. Every rank must run the same modules in the
-# same order (as with FSDP and DeepSpeed ZeRO-3).
+# Per-rank model states: (4 + 4 + K)Ψ/Nd, this rank's chunk of every bucket. Before a module's forward and again
+# before its backward its parameters are all-gathered, bucket by bucket, into the buffer they are views of (Section
+# 7.2.2: Ψ in forward, Ψ in backward less the last units, which forward keeps for backward); freed after forward and
+# once backward has all their gradients. Every rank must run the same modules in the same order (as in FSDP).
 def gather_groups(module, units):
     """A unit (a transformer block) gathers all the parameters below it, any other module its own; a parameter of
     several modules (a tied embedding) is a group of its own, kept from its first use to the end of forward, so
@@ -1620,11 +1585,9 @@ class ShardedParameters:
 
     @staticmethod
     def _refuse_state_dict(module, prefix, keep_vars):
-        """(keep_vars=True hands back the Parameters themselves, as named_parameters() does: allowed.)"""
-        if not keep_vars:
+        if not keep_vars:  # (keep_vars=True hands back the Parameters themselves, as named_parameters() does)
             raise RuntimeError("at stage 3 a parameter holds data only while its module runs, so module.state_dict() "
-                               "has nothing to copy: use zero.full_state_dict(model) (a collective) or "
-                               "zero.save_checkpoint(path, model, optimizer)")
+                               "has nothing to copy: use zero.full_state_dict(model) (a collective)")
 
     def _gather(self, gids, prefetch=False):
         """Gather groups gids (prefetch: leave the all-gathers in flight; else they are in use, no longer ahead)."""
@@ -1638,9 +1601,8 @@ class ShardedParameters:
             moved = [tuple(p.shape) for p, view, stand_in in self.views[g] if not self.holds(p)]
             if moved:  # the gather would replace it with the shard's values
                 raise RuntimeError(f"stage 3: parameters {moved[:3]} of {self.names[g]} were given new storage "
-                                   f"(p.data = t, vector_to_parameters) outside its forward, where they hold no values "
-                                   f"here, so their values would be lost: rebuild the model and set the values before "
-                                   f"zero.initialize (or restore a checkpoint into it)")
+                                   f"(p.data = t, vector_to_parameters) outside its forward, so the gather would lose "
+                                   f"their values: rebuild the model and set the values before zero.initialize")
             self._check_same_group(g)
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
             start = part.buckets[self.group_buckets[g][0]].start
@@ -1660,9 +1622,8 @@ class ShardedParameters:
             self.ahead.difference_update(gids)
 
     def _check_same_group(self, g):
-        """Before each gather the ranks meet at group g (see FlatPartition.meet): a branch some ranks take is an
-        error, not a hang or the wrong parameters; a rank that stops gathering leaves the others an error after
-        check_timeout."""
+        """Before each gather the ranks meet at group g (FlatPartition.meet): a branch some ranks take is an error, not
+        a hang or the wrong parameters, and so is a rank that stops gathering, after check_timeout."""
         rule = ("every rank must run the same modules in the same order at stage 3: take a branch on "
                 "every rank or on none (or use stage 2, which allows it)")
         here = f"stage 3: rank {self.partition.rank} gathers {self.names[g]}"
@@ -1676,12 +1637,10 @@ class ShardedParameters:
                                f"ranks: {self.names[low]}, {self.names[high]}): {rule}")
 
     def _wait_gathered(self, g):
-        """Wait for group g's all-gathers, each leaving in_flight as it ends (an interrupt leaves the rest to
-        _free); then its parameters become views into the buffer: until then they are stand-ins, so nothing
-        (a read outside its module, a backward node saved from it) reads a buffer an all-gather still writes.
-        A failure (of one, or of an earlier collective) raises at once, the group never taken for
-        gathered: dropped if all its all-gathers ended, else left to them (peers may be stuck in the failed one,
-        so waiting for the rest could hang this rank too)."""
+        """Wait for group g's all-gathers, each leaving in_flight as it ends (an interrupt leaves the rest to _free);
+        only then do its parameters become views into the buffer, so nothing reads it while an all-gather writes. A
+        failure (of one, or of an earlier collective) raises at once, the group never taken for gathered: dropped if
+        all its all-gathers ended, else left to them (peers may be stuck in the failed one: waiting could hang too)."""
         if g not in self.in_flight:
             return
         works = self.in_flight[g]
@@ -1704,10 +1663,9 @@ class ShardedParameters:
             self._wait_gathered(g)
 
     def _prefetch(self, gids, step):
-        """Gather the next units (the first forward's order; reversed in backward) as this one starts, so a
-        small module between two blocks does not leave the next block's gather exposed. Where a step runs other
-        units than the first forward (layer drop, another expert, another order), a group this pass is done with
-        is not gathered again, and one gathered ahead for a unit the pass went by is freed, not held to its end."""
+        """Gather the next units (the first forward's order; reversed in backward) as this one starts, so a small
+        module between two blocks leaves no gather exposed. Where a step runs other units (layer drop, another
+        expert), a group the pass is done with is not gathered again, and one gathered for a skipped unit is freed."""
         k = self.unit_position.get(id(gids))
         if k is None:
             return
@@ -1723,9 +1681,8 @@ class ShardedParameters:
 
     def _ahead(self, k, step):
         """The units after position k of the order (step +1; before it: -1), up to `prefetch` times the largest
-        group's elements, rounded to the nearest unit: the next one always, then one where at least half of it fits
-        in what is left, so a small module before a block comes with it, and the budget is passed by half a unit
-        at most beyond the first."""
+        group's elements, rounded to the nearest unit: the next one always, then each while at least half of it fits
+        (a small module before a block comes with it; past the first, the budget is passed by half a unit at most)."""
         units, budget = [], self.prefetch_numel
         while budget > 0 and 0 <= k + step < len(self.unit_order):
             numel = sum(self.buffers[g].numel() for g in self.unit_order[k + step])
@@ -1748,16 +1705,14 @@ class ShardedParameters:
         what = f"a parameter of {self.names[self.group_of[t]]}" if t in self.group_of else "a freed parameter"
         raise RuntimeError(f"stage 3: {what} {tuple(t.shape)} was read ({name}) while no module holding it ran, so "
                            f"it has no data here. Read it through a module that holds it (a tied head: "
-                           f"self.head.weight = self.emb.weight), make a module around both a unit (stage3_units), "
-                           f"or register a forward hook that reads it with prepend=True. A module inside a unit called "
-                           f"outside it (block.fc(h)) has no hooks of its own: call it inside the unit, or leave "
-                           f"the unit out of stage3_units")
+                           f"self.head.weight = self.emb.weight) or in a forward hook registered with prepend=True. "
+                           f"A module inside a unit called outside it (block.fc(h)) has no hooks of its own: "
+                           f"leave the unit out of stage3_units")
 
     def end_raised_forward(self):
-        """End a forward that a BaseException other than Exception (KeyboardInterrupt) stopped: always_call hooks
-        run on an Exception only, so its modules still count as running and the first forward's check is on.
-        Called at zero_grad(), when no module runs (not at the next forward: the root module may call itself).
-        The groups kept for backward are freed too: that backward did not come."""
+        """End a forward that a BaseException other than Exception (KeyboardInterrupt) stopped: always_call hooks run
+        on an Exception only, so its modules still count as running and the first forward's check is on. Called at
+        zero_grad(), not the next forward (the root module may call itself); frees the groups kept for backward too."""
         self._stop_reading()
         if any(self.refcount) or any(self.calls.values()):
             self.refcount = [0] * len(self.groups)
@@ -1767,12 +1722,11 @@ class ShardedParameters:
         self.ahead, self.finished = set(), set()  # (also where it stopped between two modules)
 
     def _made(self, tensors, before, out):
-        """In the first forward, each autograd node a torch function made (F.linear of a 3-d input makes three)
-        that saved a gathered parameter, or a view of one, is to check, before backward runs it, that the
-        parameter holds its values. Backward runs a term made from a module's weights after its outputs and kept
-        aside (self.pen = self.weight.square().sum(), added to the loss) before it reaches those outputs, so before
-        their module is gathered again: it would read the NaN stand-in or freed memory. (Not under saved-tensor
-        hooks, a checkpoint's: reading its saved tensors would run them.)"""
+        """In the first forward, each autograd node a torch function made (F.linear of a 3-d input makes three) that
+        saved a gathered parameter, or a view of one, is to check before it runs that the parameter holds its values:
+        backward runs a term made from a module's weights after its outputs and kept aside (self.pen =
+        self.weight.square().sum(), added to the loss) before it reaches those outputs, so before their module is
+        gathered again. (Not under saved-tensor hooks, a checkpoint's: reading its saved tensors would run them.)"""
         group = self.group_of_storage
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None or \
                 not any(t.untyped_storage()._cdata in group for t in tensors):
@@ -1796,10 +1750,9 @@ class ShardedParameters:
                     or g in self.in_flight:
                 raise RuntimeError(f"stage 3: backward reached a tensor made from the parameters of {self.names[g]} "
                                    f"before it reached {self.names[g]}'s outputs, so they are not gathered and it "
-                                   f"would read NaN or freed memory: a term made after the module's outputs and kept "
-                                   f"aside (an attribute, self.pen = self.weight.square().sum(), added to the loss) "
-                                   f"is differentiated first. Return the term from the module's forward as one of "
-                                   f"its outputs")
+                                   f"would read NaN or freed memory (a term made after the outputs and kept aside, "
+                                   f"self.pen = self.weight.square().sum() added to the loss, is differentiated "
+                                   f"first). Return the term from the module's forward as one of its outputs")
 
     def _start_reading(self):
         if not self.order_known and self.reads is None:
@@ -1808,9 +1761,8 @@ class ShardedParameters:
             self.reads.__enter__()
 
     def _stop_reading(self):
-        """The first forward's check ends with it, also when it raised (then the next one checks). The nodes _made
-        found get their check now, after the hooks that gather a module when backward reaches its outputs: a
-        node's pre-hooks run in the order registered."""
+        """The first forward's check ends with it, also when it raised (then the next one checks). The nodes _made found
+        get their check now, after the hooks gathering a module as backward reaches it (pre-hooks run as registered)."""
         if self.reads is not None:
             self.reads.__exit__(None, None, None)
             self.reads = None
@@ -1838,7 +1790,6 @@ class ShardedParameters:
             self.tail = {g for gids in [self.unit_order[last]] + self._ahead(last, -1) for g in gids}
 
     def _kept(self):
-        """The groups a forward keeps for backward: the tail, where it builds a graph."""
         return self.tail if torch.is_grad_enabled() else ()
 
     def _pre_forward(self, gids, args, kwargs):
@@ -1891,21 +1842,19 @@ class ShardedParameters:
             done = [g for g in gids if g not in self.shared and g not in self._kept() and self.refcount[g] == 0]
             self._release(done)
             self.finished.update(done)
-        else:  # a forward recomputed in backward (P_a) keeps what backward has reached or gathered ahead; a group
-            # it gathered for a module ahead of that module's backward (a checkpoint over several units) is freed,
-            # and gathered again there
+        else:  # a forward recomputed in backward (P_a) keeps what backward reached or gathered ahead; a group it
+            # gathered ahead of its module's backward (a checkpoint over several units) is freed, gathered again there
             self._release([g for g in gids if g in self.recomputing and g not in self.reached])
         if torch.is_grad_enabled():  # gather again when backward reaches this module
             self._hook_backward(gids, out, call)
         return out
 
     def _watch_inputs(self, gids, args, kwargs):
-        """A frozen parameter has no gradient to say when backward is done with it; its module's inputs do
-        (FSDP2's post-backward: autograd runs a forward's nodes before the node that made its input). So for a
-        call holding a frozen (or detached-read) parameter in a forward that builds a graph: a record [reached by
-        backward, inputs' gradients in], its inputs watched. Inputs that cannot say it (none needs a gradient; a
-        leaf, whose gradient autograd takes first; a tensor inside an object) make the call _PINNED: its groups
-        are kept to the end of every backward that reaches it (a retained graph's too)."""
+        """A frozen parameter has no gradient to say when backward is done with it; its module's inputs do (FSDP2's
+        post-backward: autograd runs a forward's nodes before the node that made its input). So a call holding a
+        frozen (or detached-read) parameter in a forward that builds a graph gets a record [reached by backward,
+        inputs' gradients in] and its inputs watched. Inputs that cannot say it (none needs a gradient; a leaf, whose
+        gradient autograd takes first; a tensor inside an object) make it _PINNED: its groups kept to backward's end."""
         if not torch.is_grad_enabled() or all(p.requires_grad and g not in self.detached
                                               for g in gids for p in self.groups[g]):
             return None
@@ -1922,8 +1871,8 @@ class ShardedParameters:
 
     def _inputs_done(self, gids, call, grads):
         """The call's inputs have their gradients. Not counted in a backward no hook of zero's began (a penalty's
-        torch.autograd.grad on an input): no end of backward would clear the mark, and the next backward over the
-        retained graph would take the call as done before reaching it."""
+        torch.autograd.grad on an input): nothing would clear the mark, and the retained graph's next backward would
+        take the call as done before reaching it."""
         if call[1] or not self.gradients.in_backward:
             return
         call[1] = True  # (before it was reached: the module passed an input through as an output)
@@ -1982,9 +1931,8 @@ class ShardedParameters:
         g = self.group_of[p]
         if self.buffers[g].numel() and not self._gathered(g):  # so it was read as its NaN stand-in
             raise RuntimeError(f"stage 3: a parameter of {self.names[g]} got a gradient while {self.names[g]} was "
-                               f"neither running nor gathered, so forward read it as NaN (a parent reading a "
-                               f"child's weight without calling the child): make the module that reads it a unit "
-                               f"(stage3_units=[...])")
+                               f"neither running nor gathered, so forward read it as NaN (a parent reading a child's "
+                               f"weight without calling the child): make the module reading it a unit (stage3_units)")
         self._grads_left()[g] -= 1
         self._free_in_backward(g)
 
@@ -2099,8 +2047,7 @@ class ActivationCheckpointing:
                 full = _placed(like, offset, line, anchor.device).copy_(full)
             return forward(full.requires_grad_(requires_grad))
 
-        # anchor: an empty tensor on x's device, so checkpoint saves and restores that device's
-        # RNG (dropout) even when the kept part is in CPU memory (P_a+cpu)
+        # anchor: an empty tensor on x's device, so checkpoint restores that device's RNG (dropout) under P_a+cpu too
         y = torch.utils.checkpoint.checkpoint(run, self._keep(i, x), x.new_empty(0), use_reentrant=False)
         holder[0] = None
         return y
@@ -2161,14 +2108,12 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
                param_dtype=None, reduce_dtype=None, loss_scale=None, stage3_units=None, prefetch=1,
                reduction="exact", check_timeout=60, init_fn=None, device=None, tp_group=None,
                find_unused_parameters=False, **optimizer_kwargs):
-    """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world) and
-    return (module, optimizer): the same module, sharded and hooked, and the optimizer to step.
-    Every rank starts from rank 0's weights (a module on meta: init_fn's, the same on every rank).
-    docs/api.md describes every argument; in brief: bucket_numel is C_B, param_dtype/reduce_dtype/
-    loss_scale 16-bit compute over an fp32 master (Section 3.1), init_fn/device a meta-built module,
-    tp_group Megatron's group (gpt.py), find_unused_parameters DDP's walk of each forward's graph."""
+    """Shard `module` for ZeRO-DP `stage` over the data-parallel `group` (default: the world); return the same
+    module, sharded and hooked, and the optimizer to step. Every rank starts from rank 0's weights (on meta: from
+    init_fn's). docs/api.md describes every argument: bucket_numel is C_B; param_dtype, reduce_dtype and loss_scale
+    give 16-bit compute over an fp32 master (Section 3.1); tp_group is Megatron's group (gpt.py)."""
     param_groups = _groups(param_groups)
-    stage3_units = list(stage3_units or ())  # (a generator: read once)
+    stage3_units = list(stage3_units or ())  # (it may be a generator: read once)
     _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
            loss_scale, prefetch, reduction, init_fn, device, tp_group, optimizer_kwargs)
     params = list(module.parameters())  # unique: a tied weight is listed once
@@ -2188,7 +2133,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
                 for members in groups for wants_grad in (True, False)]
     bucket_numel = bucket_numel or default_bucket_numel(dist.get_world_size(group))
     unit_names = {m: name for name, m in module.named_modules()}
-    # (the CPU when simulating on meta; else the model's device: NCCL has no CPU collectives)
+    # the model's device (NCCL has no CPU collectives), or the CPU when simulating on meta
     _check_ranks_agree(group, torch.device("cpu") if device.type == "meta" else device, {
         "stage": stage, "bucket_numel": bucket_numel, "reduction": reduction, "param_dtype": precision.param_dtype,
         "reduce_dtype": precision.reduce_dtype, "prefetch": prefetch,
@@ -2223,7 +2168,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         p._zero_laid_out = True
     for m in module.modules():  # loading around zero would miss the fp32 master and stage 3's shard
         m.register_load_state_dict_pre_hook(_refuse_load_state_dict)
-        m._apply = functools.partial(_refuse_conversion, m)  # module.to(), .half(), .cuda(): see there
+        m._apply = functools.partial(_refuse_conversion, m)  # .to(), .half(), .cuda()
         m.__deepcopy__ = _refuse_deepcopy  # (copy.deepcopy looks it up on the instance)
     module.zero_grad = optimizer.zero_grad  # the gradients are zero's buffers, not p.grad
     module._zero = optimizer
@@ -2231,9 +2176,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
 
 
 def _check_ranks_agree(group, device, fields):
-    """Every rank must build the same model and pass the same arguments, or the ranks' collectives
-    would not match: silently wrong weights, a hang or an abort (DDP checks its parameters' shapes
-    likewise). A 56-bit hash per field, all-reduced as (max, -min): 16 bytes a field, at any Nd."""
+    """Ranks that build different models or pass different arguments would mismatch their collectives: silently
+    wrong weights, a hang or an abort. A 56-bit hash per field, all-reduced as (max, -min): 16 bytes a field."""
     hashes = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:7], "little") for v in fields.values()]
     both = torch.tensor(hashes + [-h for h in hashes], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)  # (2 x fields,): the largest hash, minus the smallest
@@ -2261,9 +2205,9 @@ def _groups(param_groups):
 
 
 def _refuse_conversion(module, fn, recurse=True):
-    """Module._apply (.to(), .half(), .share_memory(), ...) would swap out parameters that are views into zero's
-    buffers, so the step would update tensors the model no longer uses. Tried first on a small probe per parameter
-    (dtype, device, dim: a memory format needs 4 or 5): a no-op goes through; a refusal leaves all as it was."""
+    """Module._apply (.to(), .half(), ...) would swap the parameters, views into zero's buffers, for tensors the
+    step never updates. Each parameter's conversion is tried first on a probe of its dtype, device and dim (memory
+    formats need 4 or 5): a no-op goes through, anything else is refused before a parameter changes."""
     for p in module.parameters():
         probe = torch.empty((2,) * p.dim(), dtype=p.dtype, device=p.device)
         shared = probe.is_shared()  # share_memory() converts in place (a CUDA tensor is always "shared")
@@ -2285,9 +2229,8 @@ def _refuse_load_state_dict(*args):
 
 
 def _refuse_registration(module, name, param):
-    """torch's global register_parameter hook: a parametrization (orthogonal, spectral_norm) would move a laid-out
-    weight out of zero's buffers with set_(), and a new tie would hand one module another's shard. (New parameters,
-    weight_norm's g and v, are refused by ZeroOptimizer._refuse_lost_writes.)"""
+    """torch's global register_parameter hook: a parametrization would move a laid-out weight out of zero's buffers
+    with set_(), and a new tie would hand one module another's shard (new parameters: _refuse_lost_writes)."""
     if getattr(param, "_zero_laid_out", False) and module._parameters.get(name) is not param:
         raise RuntimeError(f"{type(param).__name__} {tuple(param.shape)} is laid out by zero.initialize, and "
                            f"registering it as {type(module).__name__}.{name} would move it out of zero's buffers "
@@ -2300,19 +2243,18 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_refuse_regi
 
 def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
            loss_scale, prefetch, reduction, init_fn, device, tp_group, optimizer_kwargs):
-    """Bad input: a clear error that names the fix."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("zero.initialize needs a process group: call torch.distributed.init_process_group"
-                           "('gloo' on CPU, 'nccl' on GPU) first, or run under torchrun")
+                           "('gloo' on CPU, 'nccl' on GPU) first")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3 (got {stage!r})")
     for name, g in (("group", group), ("tp_group", tp_group)):
         if isinstance(g, int) and g == dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives the ranks left out
-            raise ValueError(f"this rank is not in {name} (dist.new_group(ranks) returned GroupMember.NON_GROUP_MEMBER "
-                             f"here): call zero.initialize on the ranks of the group only")
+            raise ValueError(f"this rank is not in {name} (new_group returned NON_GROUP_MEMBER here): call "
+                             f"zero.initialize on the group's ranks only")
         if g is not None and not isinstance(g, dist.ProcessGroup):
-            raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None (got {type(g).__name__}); "
-                            f"make one with dist.new_group(ranks) or a DeviceMesh")
+            raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None (got {type(g).__name__}): "
+                            f"make one with dist.new_group(ranks)")
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         # dp ranks of one tp group would start from one slice and average different slices' gradients, silently
         both = sorted(set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
@@ -2324,11 +2266,11 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module (got {type(module).__name__})")
     if any(getattr(m.__dict__.get("_apply"), "func", None) is _refuse_conversion for m in module.modules()):
-        raise ValueError("this module (or one inside it, or around it) was already sharded by zero.initialize: keep "
-                         "the model and optimizer it returned, or build a fresh module")
+        raise ValueError("this module (or one inside or around it) was already sharded by zero.initialize: keep the "
+                         "model and optimizer it returned")
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         raise TypeError("module is wrapped in DistributedDataParallel, whose reducer would all-reduce every gradient "
-                        "again beside zero's reduction (and keep 4Ψ of buckets): pass the module inside, ddp.module")
+                        "again: pass the module inside, ddp.module")
     if isinstance(optimizer_class, torch.optim.Optimizer):
         raise TypeError(f"pass the optimizer class, not an instance: zero.initialize(module, "
                         f"torch.optim.{type(optimizer_class).__name__}, stage=..., lr=...), its arguments as keywords")
@@ -2369,7 +2311,7 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     for name, p in module.named_parameters():
         if getattr(p, "_zero_laid_out", False):  # a Parameter another model shares (a module is caught above)
             raise ValueError(f"parameter {name} is laid out already by zero.initialize of another module: give models "
-                             f"that share a parameter as one module (an nn.ModuleDict of both), or each its own copy")
+                             f"that share a parameter as one module (an nn.ModuleDict of both)")
         if p.is_complex():
             raise TypeError(f"parameter {name} has dtype {p.dtype}: ZeRO shards real floating-point parameters "
                             f"only; hold it real, nn.Parameter(torch.view_as_real(w)), and use "
@@ -2385,10 +2327,10 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
             f"one dtype and device (fp32; for 16-bit compute pass param_dtype)")
     strided = [name for name, p in module.named_parameters() if not p.is_contiguous()]
     if strided:  # a view of the flat buffer is row-major; DDP keeps the layout, and kernels follow the weight's
-        warnings.warn(f"{strided[0]} ({len(strided)} parameter(s)) is not contiguous (channels_last, a transposed "
-                      f"view): zero.initialize lays every parameter out contiguous in its buffer, as FSDP and "
-                      f"DeepSpeed do, so convolutions and matmuls compute in that layout, not DDP's, and the bits "
-                      f"may differ from DDP's; pass inputs in channels_last to compute a convolution in it")
+        warnings.warn(f"{strided[0]} ({len(strided)} parameter(s)) is not contiguous: zero.initialize lays every "
+                      f"parameter out contiguous in its buffer, as FSDP and DeepSpeed do, so convolutions and matmuls "
+                      f"compute in that layout and the bits may differ from DDP's; pass inputs in channels_last to "
+                      f"compute a convolution in it")
     for name, m in module.named_modules():
         if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None and (
                 stage > 0 or param_dtype in (torch.bfloat16, torch.float16)):
@@ -2401,8 +2343,7 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
             raise ValueError(f"{name or 'the module'} is an nn.{type(m).__name__} with max_norm={m.max_norm}, which "
                              f"renormalises looked-up rows by writing into its weight in forward: here it would write "
                              f"{where}, and the renormalisation would be lost. Build it with max_norm=None (scale the "
-                             f"looked-up rows out of place), or train it in fp32 at stage 0, where each rank keeps its "
-                             f"own as with DDP")
+                             f"looked-up rows out of place)")
     if param_groups is not None:
         listed = [p for g in param_groups for p in g["params"]]
         if len(listed) != len(set(listed)) or set(listed) - set(params):
@@ -2423,12 +2364,11 @@ COLLECTIVE_CALLS = ("save_checkpoint", "load_checkpoint", "full_state_dict", "fu
 
 
 def _all_ranks_call(opt, name, checks=lambda: None):
-    """zero.<name> is a collective: every rank meets at its start (see FlatPartition.meet), so a rank calling it
-    alone (under `if rank == 0:`) is warned after check_timeout, not left waiting silently for the process group's
-    timeout (30 min on gloo), and ranks at different calls (or a stage-3 gather) raise at once. Each rank first
-    runs `checks`, its own refusals (a write the call would miss, a path that exists), and meets at a point
-    saying whether it refused; with a tp_group the points meet over it too, so every rank of the (dp, tp) mesh
-    raises where any refused, none waits for it. Returns what `checks` returns."""
+    """Every rank meets at the start of collective zero.<name> (FlatPartition.meet): a rank calling it alone is
+    warned after check_timeout, not left waiting silently for the process group's timeout, and ranks at different
+    calls (or a stage-3 gather) raise at once. Each rank first runs `checks`, its own refusals, and its point says
+    whether it refused; with a tp_group the points meet over it too, so where any rank of the (dp, tp) mesh
+    refused, every rank raises. Returns what `checks` returns."""
     part, calls = opt.partition, len(COLLECTIVE_CALLS)
     point = -1 - COLLECTIVE_CALLS.index(name)
     here = f"rank {part.rank} calls zero.{name}"
@@ -2467,7 +2407,7 @@ def _call_rule(name):
 
 def _engine(module, optimizer=None):
     """The ZeroOptimizer zero.initialize returned with `module` (checking `optimizer` is it), and that module: `module`
-    itself, or the one inside a wrapper made after (torch.compile's, whose names begin with _orig_mod.)."""
+    itself, or the one inside a wrapper made after (torch.compile's)."""
     if not isinstance(getattr(module, "_zero", None), ZeroOptimizer):
         raise ValueError("this module was not returned by zero.initialize")
     if optimizer is not None and optimizer is not module._zero:
@@ -2477,8 +2417,7 @@ def _engine(module, optimizer=None):
 
 
 def model_state_bytes(module):
-    """Bytes of the parameters, gradients and optimizer states this rank holds now: the distinct
-    storages that hold them (one freed by stage 3 counts 0)."""
+    """Bytes of the distinct storages of this rank's parameters, gradients and optimizer states (freed ones: 0)."""
     opt, module = _engine(module)
     tensors = [p.grad for p in opt.partition.params if p.grad is not None]
     tensors += opt.parameters.storages() + opt.gradients.storages()  # the parameters are views of these
@@ -2489,13 +2428,11 @@ def model_state_bytes(module):
 
 
 def full_state_dict(module):
-    """{name: full CPU tensor} for every parameter and buffer (floats in fp32 or wider), and rank 0's
-    get_extra_state() of each module that has one, keyed as module.state_dict(), identical on every rank of the
-    data-parallel group (each tp rank gets its slices). A collective: call it on every rank. Gathered a bucket
-    at a time: the device holds one bucket more."""
+    """{name: full CPU tensor} for every parameter and buffer (floats in fp32 or wider), and rank 0's extra states,
+    keyed as module.state_dict(), the same on every rank of the data-parallel group (each tp rank gets its slices).
+    A collective. Gathered a bucket at a time: the device holds one bucket more."""
     opt, module = _engine(module)
     _all_ranks_call(opt, "full_state_dict", opt._settle)
-    # the fp32 master weights where they exist, else the parameters themselves
     flat = opt._to_flat(opt.master) if opt.master is not None else opt.parameters.full()
     part, state = opt.partition, {}
     for name, t in module.state_dict(keep_vars=True).items():
@@ -2517,11 +2454,10 @@ def full_state_dict(module):
 
 
 def full_optimizer_state(module):
-    """{parameter name: {state key: full CPU tensor}}: the optimizer state as one unsharded
-    optimizer would hold it. A collective: call it on every rank."""
+    """{parameter name: {state key: full CPU tensor}}, as one unsharded optimizer would hold it. A collective."""
     opt, module = _engine(module)
     _all_ranks_call(opt, "full_optimizer_state")
-    keys, scalars, keys_of = opt._all_states()  # which parameters have state, which, its scalars
+    keys, scalars, keys_of = opt._all_states()  # elementwise keys; per parameter with state: scalars, its keys
     params = {n: p for n, p in module.named_parameters() if n in scalars}  # in module order
     result = {name: {key: v.cpu() if torch.is_tensor(v) else v for key, v in scalars[name].items()}
               for name in params}
@@ -2535,18 +2471,16 @@ def full_optimizer_state(module):
 
 
 # -----------------------------------------------------------------------------------------
-# Checkpoints: each rank saves what it holds. Rank r owns chunk r of every bucket (Section 5);
-# its chunks end to end are its shard. A rank writes, a chunk at a time, one raw file for its
-# shard of the weights (the fp32 master where there is one) and one per elementwise optimizer
-# state; manifest.json holds the layout and each file's sha256. Flat element x lies in bucket
-# k's chunk (x - start_k) // chunk_k, at own_k + (x - start_k) % chunk_k of that rank's shard:
-# a checkpoint loads at any Nd, stage or bucket size, each rank memory-mapping what it owns.
+# Checkpoints: rank r owns chunk r of every bucket (Section 5), its shard, and writes it a chunk at a time: one raw
+# file for the weights (the fp32 master where there is one), one per elementwise optimizer state; manifest.json
+# holds the layout and each file's sha256. Flat element x lies in bucket k's chunk (x - start_k) // chunk_k, at
+# own_k + (x - start_k) % chunk_k of that rank's shard: a checkpoint loads at any Nd, stage or bucket size.
 FORMAT = 3  # (format 2, whose shard files were torch.save'd tensors, still loads)
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that is damaged, incomplete or for another model. extra: the rank's extra it holds, where it
-    could be read (a job's own flags in it can then say which of them changed), else None."""
+    """A checkpoint that is damaged, incomplete or for another model. extra: the rank's saved extra where it could
+    be read (a job's flags in it can say which changed), else None."""
 
     def __init__(self, message, extra=None):
         super().__init__(message)
@@ -2554,9 +2488,8 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(path, model, optimizer, **extra):
-    """Save into the new directory `path` on every rank (a collective), one bucket chunk at a time. Files go to
-    path.partial, renamed to `path` once every rank's are written: a crash mid-save leaves no checkpoint.
-    extra: this rank's own values (the step, its data generator's state), returned by load_checkpoint."""
+    """Save into the new directory `path` on every rank (a collective), via path.partial, renamed once every rank has
+    written: a crash mid-save leaves none. extra: this rank's own values (the step), returned by load_checkpoint."""
     (opt, model), path = _engine(model, optimizer), pathlib.Path(path)
 
     def checks():
@@ -2603,7 +2536,7 @@ def save_checkpoint(path, model, optimizer, **extra):
             torch.save(scalars, partial / "scalars.pt")
             _seal(partial, files, "scalars.pt")
             manifest = _layout(opt, model)
-            json.dumps(manifest)  # an option JSON cannot hold fails here, on every rank, not after the gather
+            json.dumps(manifest)  # an option JSON cannot hold fails here, where every rank learns of it
     except Exception as e:  # every rank learns of it: none may wait for a rank that failed
         error = f"rank {part.rank}: {type(e).__name__}: {e}"
     everyone = [None] * part.nd
@@ -2655,7 +2588,7 @@ def _is_extra(name):
 
 
 def _extra_states(model):
-    """{state_dict key: value} of each module's get_extra_state() (a module under two names: both)."""
+    """{state_dict key: value} of each module's get_extra_state(), under each of its names."""
     return {name: value for name, value in model.state_dict(keep_vars=True).items() if _is_extra(name)}
 
 
@@ -2677,9 +2610,8 @@ def _loadable(value, what):
     try:
         torch.load(buffer, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise TypeError(f"{what} could not be loaded back (load_checkpoint reads with torch.load(weights_only="
-                        f"True)): save plain values, e.g. vars(args) for an argparse.Namespace, s.state_dict() for "
-                        f"a scheduler") from e
+        raise TypeError(f"{what} could not be loaded back by load_checkpoint's torch.load(weights_only=True): save "
+                        f"plain values, e.g. vars(args) for an argparse.Namespace") from e
 
 
 def _raw(t):
@@ -2695,7 +2627,6 @@ def _seal(directory, files, name):
 
 
 def _layout(opt, model):
-    """The manifest's description of the model, the partition and the optimizer."""
     part, names, aliases = opt.partition, opt.names, collections.defaultdict(list)
     for name, p in model.named_parameters(remove_duplicate=False):
         if name != names[p]:  # a tied weight's other names
@@ -2882,7 +2813,7 @@ def consolidate(path, out=None):
             raise CheckpointError(f"cannot consolidate {path}: {name}: {why}")
     reader = CheckpointReader(path, manifest)
     model = {}
-    for p in manifest["params"]:  # a tied weight under each of its names
+    for p in manifest["params"]:
         weights = reader.param(p["name"], "weights")
         for name in [p["name"]] + p["aliases"]:  # a tied weight under each of its names
             model[name] = weights
@@ -2970,13 +2901,12 @@ def _read_manifest(path):
         raise CheckpointError(f"{path} has format {version}; this zero.py reads formats 2 and {FORMAT}")
     if "sha256" in manifest and manifest["sha256"] != _manifest_digest(manifest):  # (saved before it had one: none)
         raise CheckpointError(f"{path}/manifest.json was changed or damaged (its sha256 differs from the one saved "
-                              f"in it), so the layout it gives cannot be trusted: load an earlier checkpoint")
+                              f"in it): load an earlier checkpoint")
     return manifest
 
 
 def _manifest_digest(manifest):
-    """sha256 of the manifest without its own digest: a byte changed anywhere in it (an offset) is caught. Taken
-    of its JSON form, as load reads it back (an option's int keys come back strings)."""
+    """sha256 of the manifest less its own digest, taken of the JSON form load reads (int keys come back strings)."""
     body = json.loads(json.dumps({k: v for k, v in manifest.items() if k != "sha256"}))
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
