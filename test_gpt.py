@@ -306,17 +306,17 @@ def _replicated_model_at_tp_clips_by_its_norm_once(tp, norm_type):
     return opt.clip_grad_norm_(0.1, norm_type), expected
 
 
-@pytest.mark.parametrize("norm_type", [2.0, math.inf, -math.inf], ids=["l2", "inf", "-inf"])
+@pytest.mark.parametrize("norm_type", [2.0, -1.0, math.inf, -math.inf], ids=["l2", "l-1", "inf", "-inf"])
 def test_a_tp_rank_with_no_split_parameter_adds_nothing_to_the_norm(world, norm_type):
-    """No parameter is split, so every one is counted on tp rank 0 alone: tp rank 1 adds the
-    reduction's identity (0, or +inf for the -inf-norm's minimum), and the total is torch's
-    norm of the one model. The largest and smallest norm are taken exactly (torch.equal); the
-    2-norm is (sum of squares) ** 0.5 across tp ranks, where torch takes vector_norm of the
-    norms: other arithmetic, so within 1 ulp of fp32 (rtol 1.2e-7)."""
+    """No parameter is split, so every one is counted on tp rank 0 alone: tp rank 1 adds nothing
+    (no term to a p-norm's sum, the identity to the largest or smallest norm), and the total is
+    torch's norm of the one model. The largest and smallest norm are taken exactly (torch.equal);
+    a p-norm is (sum of |norm| ** p) ** (1 / p) across tp ranks, where torch takes vector_norm of
+    the norms: other arithmetic, so within 1 ulp of fp32 (rtol 1.2e-7)."""
     for rank, (total, expected) in enumerate(_on_ranks(world, 2, _replicated_model_at_tp_clips_by_its_norm_once,
                                                        norm_type)):
         print(f"tp rank {rank}: norm {total.item():.9g}, torch's {expected.item():.9g}")
-        if norm_type == 2.0:
+        if math.isfinite(norm_type):
             torch.testing.assert_close(total, expected, rtol=1.2e-7, atol=0)
         else:
             assert torch.equal(total, expected), (rank, total, expected)

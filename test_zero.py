@@ -3017,6 +3017,10 @@ def on_rank_bad_inputs():
             lambda m: m.append(nn.Linear(2, 2))),
         "bucket_numel must be an int.* \\(got 500000000.0\\)": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.AdamW, stage=1, bucket_numel=5e8),
+        "bucket_numel must be an int.* \\(got True\\)": lambda: zero.initialize(  # (a bool is an int to Python)
+            nn.Linear(2, 2), torch.optim.AdamW, stage=1, bucket_numel=True),
+        "prefetch must be 0 \\(off\\) or more.* \\(got True\\)": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.AdamW, stage=3, prefetch=True),
         "param_groups must be \\[\\{'params': \\[...\\], \\*\\*options\\}, ...\\]": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.AdamW, stage=1, param_groups=[{"lr": 0.1}]),
         "module must be a torch.nn.Module \\(got list\\)": lambda: zero.initialize(

@@ -747,12 +747,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              "tensor-parallel slices cannot add up to: clip by norm_type 2")
         first = dist.get_rank(self.tp_group) == 0
         mine = [n for n, p in zip(norms, params) if getattr(p, "tensor_model_parallel", False) or first]
-        if not mine:  # nothing here: the identity of the reduction below
-            mine = [torch.tensor(math.inf if norm_type == -math.inf else 0.0, dtype=self.weights_dtype,
-                                 device=self.partition.device)]
-        mine = torch.stack(mine)
-        if norm_type in (math.inf, -math.inf):  # the largest (smallest) norm of any slice
-            part = mine.max() if norm_type > 0 else mine.min()
+        # none here (only replicated parameters, on tp rank > 0): no term
+        mine = torch.stack(mine) if mine else torch.zeros(0, dtype=self.weights_dtype, device=self.partition.device)
+        if norm_type in (math.inf, -math.inf):  # the largest (smallest) norm of any slice, norms being >= 0
+            part = torch.cat([mine, mine.new_tensor([0.0 if norm_type > 0 else math.inf])])  # (the identity)
+            part = part.max() if norm_type > 0 else part.min()
             dist.all_reduce(part, op=dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN, group=self.tp_group)
             return part
         part = (mine ** norm_type).sum()
@@ -1261,8 +1260,9 @@ class GradientBuckets:
 
 
 def _call_weakly(method, *args):
-    if method() is not None:
-        method()(*args)
+    bound = method()  # (once: a collection between two calls could leave the second None)
+    if bound is not None:
+        bound(*args)
 
 
 # -----------------------------------------------------------------------------------------
@@ -2351,9 +2351,10 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
         missing = [n for n, p in module.named_parameters() if p.requires_grad and p not in set(listed)]
         if missing:
             raise ValueError(f"param_groups leaves out trainable parameters {missing}: add them to a group")
-    if not isinstance(prefetch, int) or prefetch < 0:
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise ValueError(f"prefetch must be 0 (off) or more: largest units stage 3 gathers ahead (got {prefetch!r})")
-    if bucket_numel is not None and (not isinstance(bucket_numel, int) or bucket_numel < 1):
+    if bucket_numel is not None and (not isinstance(bucket_numel, int) or isinstance(bucket_numel, bool) or
+            bucket_numel < 1):
         raise ValueError(f"bucket_numel must be an int, at least 1 (got {bucket_numel!r}): elements, e.g. int(5e8)")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be 'exact' (bit-reproducible) or 'native' (the backend's own) "
