@@ -3029,6 +3029,14 @@ def on_rank_bad_inputs():
             zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=1, param_dtype=torch.float64)),
         "loss_scale must be a number or a zero.DynamicLossScale \\(got str\\)": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.AdamW, stage=1, param_dtype=torch.float16, loss_scale="dynamic"),
+        # a scale of 0 makes every gradient 0, found finite, then unscaled by 1/0: NaN weights, no error
+        "loss_scale must be positive and finite \\(got 0\\).*DynamicLossScale": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.SGD, stage=1, param_dtype=torch.float16, loss_scale=0, lr=0.1),
+        "loss_scale must be positive and finite \\(got 0.0\\)": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.SGD, stage=1, param_dtype=torch.float16,
+            loss_scale=zero.DynamicLossScale(init_scale=0.0), lr=0.1),
+        "loss_scale must be positive and finite \\(got inf\\)": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.SGD, stage=1, param_dtype=torch.float16, loss_scale=math.inf, lr=0.1),
         # device places a module built on meta; one built elsewhere would stay where it is
         "device places a module built on the meta device, but this one is on cpu already: build it under "
         "torch.device\\('meta'\\) and pass init_fn, or drop device": lambda: (

@@ -2288,6 +2288,10 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
             raise ValueError(f"{name} must be torch.float32, torch.bfloat16 or torch.float16 (got {dtype})")
     if loss_scale is not None and not isinstance(loss_scale, (int, float, DynamicLossScale)):
         raise TypeError(f"loss_scale must be a number or a zero.DynamicLossScale (got {type(loss_scale).__name__})")
+    scale = loss_scale.init_scale if isinstance(loss_scale, DynamicLossScale) else loss_scale
+    if scale is not None and not 0 < scale < math.inf:  # (0: every gradient 0, then unscaled by 1/0 into NaN)
+        raise ValueError(f"loss_scale must be positive and finite (got {scale!r}): a number for a static scale, "
+                         f"zero.DynamicLossScale() for a dynamic one (DeepSpeed's loss_scale=0)")
     params = list(module.parameters())
     if not any(p.numel() for p in params):
         raise ValueError("module has no parameters to shard" + (" (every one has 0 elements)" if params else ""))
