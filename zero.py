@@ -446,6 +446,8 @@ def check_group(group=None):
 class MetaInit:
     def __init__(self, module, partition, init_fn):
         self.partition, self.init_fn, device = partition, init_fn, partition.device
+        self.names = {p: name for name, p in module.named_parameters()}
+        self.sums = []  # per bucket, its values' bits summed as integers (see check_ranks_agree)
         self.owner = {}  # parameter -> the first module that holds it (a tied weight has one owner)
         for m in module.modules():
             for p in m.parameters(recurse=False):
@@ -479,6 +481,9 @@ class MetaInit:
             if self.owner[part.params[i]] not in self.materialized:
                 self._materialize(self.owner[part.params[i]])
         values = part.values(k)
+        if not values.is_meta:  # (the simulation's values are shapes only)
+            bits = values.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()])
+            self.sums.append(sum(c.sum(dtype=torch.int64).item() for c in bits.chunk(8)))  # (an 8th at a time)
         for i, lo, hi in b.segments:
             m = self.owner[part.params[i]]
             self.left[m] -= self.last[i] == k
@@ -512,9 +517,27 @@ class MetaInit:
                  (t.isnan() if t.is_floating_point() or t.is_complex() else t == _unset_value(t)).any()]
         if unset:
             raise ValueError(f"init_fn left {unset} of {type(m).__name__} unset: init_fn(m) must fill every "
-                             f"parameter and buffer m holds itself, those computed in __init__ too")
+                             f"parameter and buffer m holds itself, those computed in __init__ too "
+                             f"(nn.MultiheadAttention has no reset_parameters: fill its in_proj_*)")
         for name, p in shared.items():
             setattr(m, name, p)
+
+    def check_ranks_agree(self):
+        """Each rank computes every bucket's values itself, and init_fn must make them the same on every rank
+        (drawn from differing seeds, stage 0's replicas would train apart, and at stages 1-3 each rank's shard
+        would hold its own draws): each bucket's bits summed as integers, all-reduced as (max, -min) once."""
+        if not self.sums:
+            return
+        part, n = self.partition, len(self.sums)
+        sums = [x % 2**62 for x in self.sums]  # (an int64, negated too)
+        both = torch.tensor(sums + [-x for x in sums], dtype=torch.int64, device=part.flag_device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=part.group)  # (2 x buckets,): max and -min per bucket
+        differ = (both[:n] != -both[n:]).nonzero().flatten().tolist()
+        if differ:
+            names = list(dict.fromkeys(self.names[part.params[i]] for i, lo, hi in part.buckets[differ[0]].segments))
+            raise ValueError(f"init_fn gave the ranks different values (first in {names[:3]}): it must compute the "
+                             f"same values on every rank: seed each parameter by its name, as gpt.py does, or call "
+                             f"torch.manual_seed with one seed on every rank before zero.initialize")
 
 
 def _unset_value(t):
@@ -2142,7 +2165,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
             (name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()]})
     partition = FlatPartition(params, [(run, t) for run, t in runs if run], group, bucket_numel, reduction, device,
                               check_timeout)
-    start = MetaInit(module, partition, init_fn).values if params[0].is_meta else partition.rank0_values
+    meta = MetaInit(module, partition, init_fn) if params[0].is_meta else None
+    start = meta.values if meta else partition.rank0_values
     if stage < 3:
         parameters = FlatParameters(partition, module, precision.param_dtype, gather_after_step=stage > 0)
     else:
@@ -2156,6 +2180,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         module.register_forward_hook(lambda mod, args, out: gradients.walk_graph(out))
     optimizer = ZeroOptimizer(module, partition, parameters, gradients, precision, loss_scale, start,
                               optimizer_class, param_groups, optimizer_kwargs, tp_group)
+    if meta:
+        meta.check_ranks_agree()
     for b in module.buffers() if param_dtype else ():  # (init_fn has filled a meta module's buffers by now)
         if b.is_floating_point():
             b.data = b.data.to(param_dtype)
