@@ -403,15 +403,16 @@ class GPT(nn.Module):
         return logits, None
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Append max_new_tokens to idx (B, T): greedy at temperature=0, else sampled. At tp > 1 tp
-        rank 0 draws each token and the others take it, whatever their random state."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, context=None):
+        """Append max_new_tokens to idx (B, T): greedy at temperature=0, else sampled, each from the last
+        `context` tokens (default block_size; a model trained on shorter sequences knows no later position).
+        At tp > 1 tp rank 0 draws each token and the others take it, whatever their random state."""
         if temperature < 0:
             raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k={top_k} must be at least 1, or None to sample from every token")
         for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size:])              # (B, 1, V)
+            logits, _ = self(idx[:, -(context or self.config.block_size):])  # (B, 1, V)
             logits = logits[:, -1, :]                                       # (B, V)
             if temperature == 0:
                 idx_next = logits.argmax(dim=-1, keepdim=True)              # (B, 1)

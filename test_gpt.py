@@ -592,3 +592,18 @@ def test_generate_draws_from_the_tempered_top_k_distribution(temperature, top_k)
             tempered[tempered < torch.topk(tempered, top_k).values[-1]] = -math.inf
         want = torch.multinomial(F.softmax(tempered, -1), 1, generator=torch.Generator().manual_seed(seed))[0]
         assert got == want, (seed, got, want)
+
+
+def test_generate_reads_the_last_context_tokens():
+    """Each token is drawn from the last `context` tokens (default block_size): train.py passes its
+    --seq_len, since a model trained on shorter sequences has never seen a later position (its sample
+    read 128 bytes of context at --seq_len 32, where positions 64-127 scored worse than 32 bytes)."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=32, block_size=8), seed=0)
+    prompt = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(1))
+    for context in (None, 3):
+        idx = prompt
+        for _ in range(4):  # greedy, by hand: the argmax of the last position's logits
+            logits, _ = model(idx[:, -(context or 8):])
+            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert torch.equal(model.generate(prompt, 4, temperature=0, context=context), idx), context
+    assert not torch.equal(model.generate(prompt, 4, temperature=0), model.generate(prompt, 4, temperature=0, context=3))

@@ -256,6 +256,22 @@ def test_resume_from_one_tp_slice_names_its_step_directory(tmp_path, capsys):
                f"{part.parent} --tp 2" in err, err
 
 
+def test_a_tp_checkpoint_missing_a_slice_is_named_unfinished_not_another_tp(tmp_path):
+    """A --tp 2 step directory holding only tp0 (tp1 lost, or its failed save removed) was counted as
+    --tp 1, so --resume at --tp 2 said "resume with --tp 1", and at --tp 1 "did not finish": the slices'
+    manifests say the tp size."""
+    (tmp_path / "tp0").mkdir()
+    (tmp_path / "tp0" / "manifest.json").write_text(json.dumps({"tp": [0, 2]}))
+    assert train.saved_tp(tmp_path) == 2 and not train.complete(tmp_path, 2)
+
+
+def test_an_empty_data_file_is_named_too_short(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--data", str(tmp_path / "empty.txt")],
+                          capture_output=True, text=True, timeout=120, cwd=HERE)
+    assert proc.returncode != 0 and "the corpus (0 bytes) is too short" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_latest_checkpoint_is_the_highest_complete_step(tmp_path):
     for done in ["step_999999", "step_1000000", "step_7/tp0", "step_7/tp1", "step_8/tp0"]:
         (tmp_path / done).mkdir(parents=True)

@@ -235,8 +235,11 @@ def checkpoint_part(path, tp, tp_rank):
 
 
 def saved_tp(path):
-    """How many tp slices the checkpoint was saved as (a slice whose save did not finish counts)."""
-    return len({d.name.removesuffix(".partial") for d in pathlib.Path(path).glob("tp*") if d.is_dir()}) or 1
+    """How many tp slices the checkpoint was saved as: what a slice's manifest says, else the slices there (a slice
+    whose save did not finish counts)."""
+    said = [json.loads(m.read_text()).get("tp", [0, 1])[1] for m in pathlib.Path(path).glob("tp*/manifest.json")]
+    there = len({d.name.removesuffix(".partial") for d in pathlib.Path(path).glob("tp*") if d.is_dir()})
+    return max(said + [there, 1])
 
 
 # The flags that define a run: a resumed run must repeat them (the learning-rate schedule, the
@@ -309,7 +312,8 @@ def main(argv=None):
     # data: the same bytes on every rank, prepared by rank 0 alone; 90% train, 10% validation
     corpus = [load_corpus(args.data) if rank == 0 else None]
     dist.broadcast_object_list(corpus, group_src=0)
-    data = torch.frombuffer(bytearray(corpus.pop()), dtype=torch.uint8)
+    raw = bytearray(corpus.pop())
+    data = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)  # (an empty file)
     split = int(0.9 * len(data))
     train_data, val_data = data[:split], data[split:]
     if len(val_data) <= args.seq_len + 1:
@@ -437,7 +441,8 @@ def main(argv=None):
     sample = None
     if not diverged:
         prompt = torch.tensor([list(b"def ")], device=device)
-        out = model.generate(prompt, 200, temperature=0.7, top_k=50, generator=torch.Generator().manual_seed(args.seed))
+        out = model.generate(prompt, 200, temperature=0.7, top_k=50, generator=torch.Generator().manual_seed(args.seed),
+                             context=args.seq_len)  # (the positions it was trained on)
         sample = decode(out[0].tolist())
         log("-" * 40 + " sample " + "-" * 40 + "\n" + sample.expandtabs(4) + "\n" + "-" * 88)  # tabs as 4 spaces
     if args.out and rank == 0:
