@@ -1170,3 +1170,34 @@ def test_a_load_holds_optimizer_state_for_the_trainable_pieces_alone(world, tmp_
         print(f"stage {stage}: model states {before} B before saving, {loaded} B after loading, "
               f"{stepped} B a step later")
         assert before == loaded == stepped and keys and same, (before, loaded, stepped, keys, same)
+
+
+def on_rank_load_into_a_model_frozen_at_initialize(path, stage):
+    """Saved with every parameter trainable; loaded where ln_f is frozen at zero.initialize, which lays
+    out no optimizer state for it."""
+    model, opt = make(stage)
+    train(model, opt, 0, 1)
+    zero.save_checkpoint(path, model, opt)
+    module = GPT(CONFIG, seed=2, device="meta")
+    module.ln_f.requires_grad_(False)
+    groups = [{"params": [p for p in module.parameters() if p.dim() >= 2]},  # make()'s groups
+              {"params": [p for p in module.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    model, opt = zero.initialize(module, torch.optim.AdamW, stage=stage, bucket_numel=700, stage3_units=module.h,
+                                 param_groups=groups, init_fn=module.init_weights, lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zero.load_checkpoint(path, model, opt)
+    return [str(w.message) for w in caught], sorted(zero.full_optimizer_state(model))
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_load_that_drops_a_frozen_parameters_state_says_so(world, tmp_path, stage):
+    """torch keeps a frozen parameter's state through load_state_dict; zero keeps none for one frozen at
+    zero.initialize, and the load dropped it without a word (a later unfrozen run restarted its moments)."""
+    for messages, with_state in world(2).run(on_rank_load_into_a_model_frozen_at_initialize,
+                                             str(tmp_path / "ckpt"), stage):
+        print(messages)
+        assert any("['ln_f.weight', 'ln_f.bias'] (2 parameter(s)) have optimizer state" in m and
+                   "freeze them after zero.initialize" in m for m in messages), messages
+        assert "ln_f.weight" not in with_state and "h.0.attn.c_attn.weight" in with_state, with_state

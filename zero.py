@@ -2778,6 +2778,11 @@ def load_checkpoint(path, model, optimizer):
     opt.parameters.after_step(frozen_too=True)
     opt.parameters.wait()
     opt._written_since_step()  # writes before the load are overwritten by it, as they should be
+    dropped = [opt.names[p] for p in part.params[opt.n_trainable:] if opt.names[p] in scalars]
+    if dropped:  # (a gradual unfreezing that freezes at initialize would restart their moments unseen)
+        warnings.warn(f"load_checkpoint: {dropped[:3]} ({len(dropped)} parameter(s)) have optimizer state in {path}, "
+                      f"but had requires_grad=False at zero.initialize, which keeps no state for them: it is dropped. "
+                      f"To keep it, freeze them after zero.initialize")
     opt.optim.state.clear()
     for key in manifest["state_keys"]:  # a tensor per piece that had it, as the optimizer makes them
         for piece, w in zip(opt.pieces, opt.weights):
