@@ -1912,6 +1912,33 @@ def test_training_after_a_backward_that_raised_matches_skipping_the_batch(world,
         assert growth(got_live) == growth(want_live), (got_live, want_live)
 
 
+def on_rank_backward_after_one_that_raised_without_zero_grad(stage):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, 1))
+    model, opt = zero.initialize(model, torch.optim.AdamW, stage=stage, bucket_numel=40, lr=1e-2)
+    x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(dist.get_rank()))
+    h = model[1](model[0](x))
+    h.register_hook(_raise_bad_batch)
+    try:
+        model[2](h).pow(2).mean().backward()
+    except BadBatch:
+        pass
+    try:  # no zero_grad(): the broken backward was never ended
+        model(x).pow(2).mean().backward()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        opt.zero_grad()
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_backward_after_one_that_raised_without_zero_grad_names_zero_grad(world, stage):
+    """The error named only a module called twice under a reentrant checkpoint, which this is not."""
+    for error in world(2).run(on_rank_backward_after_one_that_raised_without_zero_grad, stage):
+        assert error and "call optimizer.zero_grad() after it" in error, error
+
+
 class Interrupt(BaseException):  # as KeyboardInterrupt: not an Exception
     pass
 

@@ -351,7 +351,7 @@ class FlatPartition:
     def _fail(self, error):
         """A collective failed on this rank: every later start and wait raises this at once, none hangs."""
         self.failed = f"rank {self.rank}: a collective failed ({error}); the other ranks may wait in it for good, " \
-                      f"so training cannot go on: restart it from its last checkpoint"
+                      f"so training cannot go on: restart it from its last checkpoint, in new processes"
         raise RuntimeError(self.failed) from error
 
     def meet(self, point, where, rule, patient=False):
@@ -372,7 +372,8 @@ class FlatPartition:
             else:
                 work.wait(timeout=self.check_timeout)
         except BaseException as e:  # (an interrupt, a timeout): the check may be pending
-            self.failed = f"{late} (the check did not end on this rank: restart from the last checkpoint)"
+            self.failed = f"{late} (the check did not end on this rank: restart from the last checkpoint, in new " \
+                          f"processes: a model built in this one would meet the pending check)"
             if isinstance(e, RuntimeError):
                 raise RuntimeError(late) from e
             raise
@@ -1180,7 +1181,8 @@ class GradientBuckets:
         if self.used[i]:  # its bucket may be reduced already: the second part would be lost
             raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient twice in one backward: a "
                                f"module called more than once inside torch.utils.checkpoint(use_reentrant=True) (or "
-                               f"used inside and outside it); use use_reentrant=False (or zero.checkpoint_activations)")
+                               f"used inside and outside it); use use_reentrant=False (or zero.checkpoint_activations). "
+                               f"Or an earlier backward raised and was not ended: call optimizer.zero_grad() after it")
         if p.grad.layout != torch.strided:
             raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a sparse gradient (nn.Embedding with "
                                f"sparse=True): ZeRO's buckets are dense; build the layer with sparse=False")
