@@ -1181,8 +1181,9 @@ class GradientBuckets:
         if self.used[i]:  # its bucket may be reduced already: the second part would be lost
             raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient twice in one backward: a "
                                f"module called more than once inside torch.utils.checkpoint(use_reentrant=True) (or "
-                               f"used inside and outside it); use use_reentrant=False (or zero.checkpoint_activations)"
-                               f". Or an earlier backward raised and was not ended: call optimizer.zero_grad() after it")
+                               f"used inside and outside it); use use_reentrant=False (or "
+                               f"zero.checkpoint_activations). "
+                               f"Or an earlier backward raised and was not ended: call optimizer.zero_grad() after it")
         if p.grad.layout != torch.strided:
             raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a sparse gradient (nn.Embedding with "
                                f"sparse=True): ZeRO's buckets are dense; build the layer with sparse=False")
