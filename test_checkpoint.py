@@ -1201,3 +1201,35 @@ def test_a_load_that_drops_a_frozen_parameters_state_says_so(world, tmp_path, st
         assert any("['ln_f.weight', 'ln_f.bias'] (2 parameter(s)) have optimizer state" in m and
                    "freeze them after zero.initialize" in m for m in messages), messages
         assert "ln_f.weight" not in with_state and "h.0.attn.c_attn.weight" in with_state, with_state
+
+
+class Tied(torch.nn.Module):
+    """An embedding and an output layer sharing one weight, the tie made from either side."""
+
+    def __init__(self, emb_first):
+        super().__init__()
+        if emb_first:
+            self.emb, self.head = torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False)
+            self.head.weight = self.emb.weight
+        else:
+            self.head, self.emb = torch.nn.Linear(4, 5, bias=False), torch.nn.Embedding(5, 4)
+            self.emb.weight = self.head.weight
+
+
+def on_rank_load_a_tie_made_the_other_way(path):
+    zero.save_checkpoint(path, *zero.initialize(Tied(emb_first=True), torch.optim.SGD, stage=1, lr=0.1))
+    model, opt = zero.initialize(Tied(emb_first=False), torch.optim.SGD, stage=1, lr=0.1)
+    try:
+        zero.load_checkpoint(path, model, opt)
+    except zero.CheckpointError as e:
+        return str(e)
+
+
+@pytest.mark.xdist_group("world1")
+def test_a_tie_made_the_other_way_is_named_as_such(world, tmp_path):
+    """The checkpoint lists the tied weight as emb.weight (head.weight its second name), the model as head.weight:
+    the load said emb.weight "is not in this model" and head.weight "is not in the checkpoint", both untrue."""
+    error, = world(1).run(on_rank_load_a_tie_made_the_other_way, str(tmp_path / "ckpt"))
+    print(error)
+    assert error and "a weight tied the other way: emb.weight is saved first, here a second name of head.weight: " \
+                     "register emb.weight's module first" in error and "not in" not in error, error

@@ -2687,9 +2687,17 @@ def _mismatch(opt, model, manifest):
     """Why this model and optimizer cannot take the checkpoint (empty: they can)."""
     saved = {p["name"]: p["shape"] for p in manifest["params"]}
     live = {n: list(p.shape) for n, p in model.named_parameters()}
-    problems = [f"another model: {n} is {'not in this model' if n not in live else f'{live[n]} here, {s} saved'}"
-                for n, s in saved.items() if live.get(n) != s]
-    problems += [f"another model: {n} is not in the checkpoint" for n in live if n not in saved]
+    tied = {n: opt.names[p] for n, p in model.named_parameters(remove_duplicate=False) if n != opt.names[p]}
+    problems = []
+    for n, s in saved.items():
+        if n in tied:  # saved under this name first, here the second name of a tied weight
+            problems.append(f"a weight tied the other way: {n} is saved first, here a second name of {tied[n]}: "
+                            f"register {n}'s module first, as when saved")
+        elif live.get(n) != s:
+            here = "not in this model" if n not in live else f"{live[n]} here, {s} saved"
+            problems.append(f"another model: {n} is {here}")
+    aliases = {a for p in manifest["params"] for a in p.get("aliases", [])}
+    problems += [f"another model: {n} is not in the checkpoint" for n in live if n not in saved and n not in aliases]
     saved = (manifest["dtype"], manifest["param_dtype"])
     live = tuple(str(t).removeprefix("torch.") for t in (opt.weights_dtype, opt.precision.param_dtype))
     if saved != live:
