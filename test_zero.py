@@ -2838,16 +2838,22 @@ def test_buffers_keep_their_dtype_unless_param_dtype_is_given(world, stage):
 
 
 class WithStats(nn.Module):
-    """BatchNorm's running statistics, and a buffer each rank builds differently (rank 0's wins)."""
+    """BatchNorm's running statistics, a buffer each rank builds differently (rank 0's wins), and a running
+    mean kept out of place (self.avg = ..., a new tensor each time: DDP syncs the module's buffers as they are
+    at each forward; zero broadcast the tensors of initialize's time, and the ranks' means drifted apart)."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.a, self.bn, self.c = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)
         self.register_buffer("offset", torch.randn(1, generator=torch.Generator().manual_seed(dist.get_rank())))
+        self.register_buffer("avg", torch.zeros(8))
 
     def forward(self, x):
-        return self.c(self.bn(self.a(x))) + self.offset
+        h = self.bn(self.a(x))
+        if self.training:
+            self.avg = 0.9 * self.avg + 0.1 * h.mean(0).detach()
+        return self.c(h + self.avg) + self.offset
 
 
 def on_rank_buffers_through_evaluation_and_recalibration(system, stage):

@@ -2015,9 +2015,10 @@ def _holds_tensors(obj):
 # -----------------------------------------------------------------------------------------
 # Buffers follow rank 0 by DDP's rule (broadcast_buffers=True): at initialize, and before every forward
 # that follows one with gradients on (so a no-grad BatchNorm recalibration is what the next forward uses).
-def _broadcast_buffers(buffers, group, after_training, module, args):
+# The module's buffers as they are then: one reassigned in forward (self.avg = 0.9 * self.avg + ...) is a new tensor.
+def _broadcast_buffers(group, after_training, module, args):
     if after_training[0]:
-        for b in buffers:
+        for b in module.buffers():
             dist.broadcast(b, group_src=0, group=group)
     after_training[0] = torch.is_grad_enabled()
 
@@ -2192,7 +2193,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     if buffers and partition.nd > 1:
         for b in buffers:  # rank 0's from the start, as DDP's constructor does
             dist.broadcast(b, group_src=0, group=group)
-        module.register_forward_pre_hook(functools.partial(_broadcast_buffers, buffers, group, [True]))
+        module.register_forward_pre_hook(functools.partial(_broadcast_buffers, group, [True]))
     for p in params:  # another model's zero.initialize would take them into its own buffers
         p._zero_laid_out = True
     for m in module.modules():  # loading around zero would miss the fp32 master and stage 3's shard
