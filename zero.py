@@ -2018,7 +2018,10 @@ def _holds_tensors(obj):
 # The module's buffers as they are then: one reassigned in forward (self.avg = 0.9 * self.avg + ...) is a new tensor.
 def _broadcast_buffers(group, after_training, module, args):
     if after_training[0]:
-        for b in module.buffers():
+        # Module.named_modules, not the module's own, which at stages 1-2 waits for step's all-gather
+        modules = [m for _, m in torch.nn.Module.named_modules(module)]
+        buffers = {id(b): b for m in modules for b in m._buffers.values() if b is not None}  # (a shared one once)
+        for b in buffers.values():
             dist.broadcast(b, group_src=0, group=group)
     after_training[0] = torch.is_grad_enabled()
 
