@@ -84,7 +84,7 @@ def on_rank_resume(path, stage, kwargs):
     got = train(model, opt, extra["step"], 6)
     assert torch.equal(extra["data"], gen.get_state())
     assert (opt.loss_scale, opt.clean_steps) == want_scale, ((opt.loss_scale, opt.clean_steps), want_scale)
-    return [bool(torch.equal(a, b)) for a, b in zip(want, got)], differences(want_state, full_state(model))
+    return [bool(torch.equal(a, b)) for a, b in zip(want, got, strict=True)], differences(want_state, full_state(model))
 
 
 RESUME = [pytest.param(nd, stage, {}, marks=pytest.mark.xdist_group(f"world{nd}"))
@@ -175,7 +175,7 @@ def on_rank_resume_with_a_parameter_not_yet_stepped(path, stage):
     model, opt = make_net(999)  # other weights, the frozen layer's too: the load replaces every one
     zero.load_checkpoint(path, model, opt)
     got = run(model, opt, 1, 3), full_state(model)
-    return [bool(torch.equal(a, b)) for a, b in zip(want[0], got[0])], differences(want[1], got[1])
+    return [bool(torch.equal(a, b)) for a, b in zip(want[0], got[0], strict=True)], differences(want[1], got[1])
 
 
 @pytest.mark.xdist_group("world2")

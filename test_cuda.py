@@ -127,7 +127,7 @@ def test_checkpointing_recomputes_dropout_with_the_gpus_random_state(mode):
             x = b(x)
         x.pow(2).sum().backward()
         return [p.grad for p in blocks.parameters()]
-    assert all(torch.equal(a, b) for a, b in zip(grads(True), grads(False)))
+    assert all(torch.equal(a, b) for a, b in zip(grads(True), grads(False), strict=True))
 
 
 def on_rank_clip_norm(stage, device_type="cuda"):

@@ -10,6 +10,7 @@ and each rank checks its own slice.
 import copy
 import gc
 import math
+import re
 
 import pytest
 import torch
@@ -288,7 +289,7 @@ def test_zero_at_tp_clips_by_the_whole_models_norm(world, stage, norm_type):
     -inf-norm (the smallest parameter norm) the smallest."""
     results = _on_ranks(world, 2, _zero_at_tp_clips_by_the_whole_models_norm, stage, norm_type)
     (norms0, replicated0), (norms1, replicated1) = results
-    assert all(torch.equal(a, b) for a, b in zip(norms0, norms1)), f"norms differ: {norms0} vs {norms1}"
+    assert all(torch.equal(a, b) for a, b in zip(norms0, norms1, strict=True)), f"norms differ: {norms0} vs {norms1}"
     for name, value in replicated0.items():
         assert torch.equal(value, replicated1[name]), f"{name} differs between the tp ranks after 3 clipped steps"
 
@@ -530,8 +531,9 @@ def _vocab_edges(tp):
         try:
             model(x, y)
             errors.append(f"{what}: no error")
-        except (RuntimeError, IndexError):
-            pass
+        except (RuntimeError, IndexError) as e:  # torch's words at tp 1, gpt.py's at tp > 1; not any other error
+            if not re.search(r"Target -?\d+ is out of bounds|index out of range|outside \[0, vocab_size\)", str(e)):
+                errors.append(f"{what}: another error: {e}")
     loss = model(idx, torch.full_like(idx, -1))[1]
     loss.backward()
     bad = [n for n, p in model.named_parameters() if not torch.equal(p.grad, torch.zeros_like(p.grad))]
@@ -564,7 +566,7 @@ def test_init_weights_draws_on_the_cpu_under_any_default_device():
     direct = GPT(PRESETS["nano"], seed=0)
     with torch.device("meta"):
         model = GPT(PRESETS["nano"], seed=0, device="cpu")
-    assert all(torch.equal(a, b) for a, b in zip(direct.parameters(), model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(direct.parameters(), model.parameters(), strict=True))
 
 
 def test_init_weights_seeds_each_parameter_by_its_full_name():

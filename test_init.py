@@ -43,7 +43,8 @@ def on_rank_meta_equals_whole(stage, dp, tp, kwargs):
     dp_group, tp_group = make_mesh(dp=dp, tp=tp) if tp > 1 else (None, None)
     whole = states_after_steps(stage, False, dp_group, tp_group, **kwargs)
     meta = states_after_steps(stage, True, dp_group, tp_group, **kwargs)
-    return [f"step {i} {k}" for i, (w, m) in enumerate(zip(whole, meta)) for k in w if not torch.equal(w[k], m[k])]
+    return [f"step {i} {k}" for i, (w, m) in enumerate(zip(whole, meta, strict=True))
+            for k in w.keys() | m.keys() if k not in w or k not in m or not torch.equal(w[k], m[k])]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

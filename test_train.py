@@ -212,7 +212,7 @@ def test_resumed_data_streams_are_each_ranks_own_at_any_dp():
     running = [train.data_stream(0, r, 2) for r in range(2)]
     saved = [dict(step=5, dp=2, data=gen.get_state()) for gen in running]
     resumed = [train.data_stream(0, r, 2, 5, saved[r]) for r in range(2)]
-    assert all(torch.equal(draw(a), draw(b)) for a, b in zip(resumed, running))
+    assert all(torch.equal(draw(a), draw(b)) for a, b in zip(resumed, running, strict=True))
     at_dp1 = dict(step=5, dp=1, data=train.data_stream(0, 0, 1).get_state())
     first = [draw(train.data_stream(0, r, 2, 5, at_dp1)) for r in range(2)]  # load_checkpoint: rank r gets r % 1
     assert not torch.equal(first[0], first[1]), first

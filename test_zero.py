@@ -193,7 +193,7 @@ def test_torch_lr_schedulers_take_zero_optimizer(world, name):
         print(name, f"stage {stage}", [lrs for lrs, loss in trace])
         assert [lrs for lrs, loss in trace] == [lrs for lrs, loss in reference]
         assert len({lrs[0] for lrs, loss in trace}) > 1, "the schedule never changed the lr"
-        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(trace, reference))
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(trace, reference, strict=True))
 
 
 @pytest.mark.xdist_group("world3")
@@ -219,7 +219,8 @@ def test_native_reduction_matches_ddp_bitwise_at_world_2(world, stage):
 
 def on_rank_native_against_exact(stage):
     """One backward with each reduction: {reduction: (the averaged gradient by name, model-state
-    bytes, elements sent)}, and this rank's own gradient by name (the terms of the sum)."""
+    bytes, elements sent, the collectives called)}, and this rank's own gradient by name (the terms
+    of the sum)."""
     from memory_table import CommCounter
     out = {}
     for reduction in ("exact", "native"):
@@ -233,7 +234,8 @@ def on_rank_native_against_exact(stage):
         flat, part = opt._to_flat(grads), opt.partition  # the whole averaged gradient, flat layout
         names = {p: n for n, p in model.named_parameters()}
         out[reduction] = ({names[p]: flat[a:a + p.numel()].view(p.shape) for p, a in zip(part.params, part.offsets)
-                           if p.requires_grad}, zero.model_state_bytes(model), sum(counter.sent.values()))
+                           if p.requires_grad}, zero.model_state_bytes(model), sum(counter.sent.values()),
+                          sorted({name for phase, name in counter.sent}))
     model = make_model()
     for p in model.parameters():
         dist.broadcast(p.data, src=0)
@@ -255,7 +257,11 @@ def test_native_reduction_is_within_the_summation_error_bound_at_world_4(world, 
     terms = [local for out, local in results]
     differ = 0
     for out, local in results:
-        (exact, exact_bytes, exact_sent), (native, native_bytes, native_sent) = out["exact"], out["native"]
+        (exact, exact_bytes, exact_sent, exact_calls), (native, native_bytes, native_sent, native_calls) = \
+            out["exact"], out["native"]
+        # (each path its own collective: the bound below would hold too were "native" ignored)
+        assert "reduce_scatter_single" in native_calls and "all_to_all_single" not in native_calls, native_calls
+        assert "all_to_all_single" in exact_calls and "reduce_scatter_single" not in exact_calls, exact_calls
         assert exact_bytes == native_bytes and exact_sent == native_sent, (exact_bytes, native_bytes, exact_sent,
                                                                            native_sent)
         for name, a in exact.items():
@@ -1297,7 +1303,7 @@ def test_stage3_autograd_grad_is_no_micro_batch(world, wrt):
     for (got, got_state), (ref, ref_state) in zip(world(2).run(on_rank_input_gradients, 3, wrt), want):
         print("micro-batches per step", [m for _, _, m in got], "losses", [loss.item() for _, loss, _ in got])
         assert [m for _, _, m in got] == [1, 1, 1]
-        assert all(torch.equal(a, b) and torch.equal(la, lb) for (a, la, _), (b, lb, _) in zip(got, ref))
+        assert all(torch.equal(a, b) and torch.equal(la, lb) for (a, la, _), (b, lb, _) in zip(got, ref, strict=True))
         assert all(torch.equal(got_state[k], v) for k, v in ref_state.items())
 
 
@@ -2509,7 +2515,7 @@ def test_stage1_2_forward_waits_for_every_parameter_a_module_reads(world):
     for stage in (1, 2):
         got = world(2).run(on_rank_losses_reading_a_childs_weight, stage)
         print(f"stage {stage}: {[g.tolist() for g in got]}, stage 0: {[w.tolist() for w in want]}")
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 class Positions(nn.Module):
@@ -2559,7 +2565,7 @@ def test_stage3_returned_parameter_views_weight_norm_hooks_and_input_gradients_m
     got = world(2).run(on_rank_stage3_patterns, 3)
     for w, g in zip(want, got):
         print("losses", [t.item() for t in g[0:6:2]], "stage 0", [t.item() for t in w[0:6:2]])
-        assert all(torch.equal(a, b) for a, b in zip(g, w))
+        assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True))
 
 
 def on_rank_functional_call_first(stage):
@@ -2589,7 +2595,7 @@ def test_functional_call_in_the_first_forward_matches_stage0(world, stage):
     final weight equals stage 0's bit for bit."""
     want = world(2).run(on_rank_functional_call_first, 0)
     got = world(2).run(on_rank_functional_call_first, stage)
-    assert all(all(torch.equal(a, b) for a, b in zip(g, w)) for g, w in zip(got, want))
+    assert all(all(torch.equal(a, b) for a, b in zip(g, w, strict=True)) for g, w in zip(got, want, strict=True))
 
 
 def on_rank_compiled_losses(stage, when="after"):
@@ -2897,7 +2903,7 @@ def test_buffers_follow_rank_0_by_ddps_rule(world, stage):
     ddp = world(2).run(on_rank_buffers_through_evaluation_and_recalibration, "ddp", stage)
     got = world(2).run(on_rank_buffers_through_evaluation_and_recalibration, "zero", stage)
     for rank, ((want_out, want_state), (out, state)) in enumerate(zip(ddp, got)):
-        differ = [i for i, (a, b) in enumerate(zip(want_out, out)) if not torch.equal(a, b)]
+        differ = [i for i, (a, b) in enumerate(zip(want_out, out, strict=True)) if not torch.equal(a, b)]
         differ += [k for k in want_state if not torch.equal(want_state[k].float(), state[k])]
         print(f"rank {rank}: differ from DDP {differ}")
         assert differ == []
@@ -3270,7 +3276,7 @@ def test_parameters_of_zero_size_train_as_at_stage0(world, stage):
     weights torch.equal to stage 0's."""
     want = world(2).run(on_rank_empty_parameters, 0)
     for (losses, state), (want_losses, want_state) in zip(world(2).run(on_rank_empty_parameters, stage), want):
-        assert all(torch.equal(a, b) for a, b in zip(losses, want_losses)), (losses, want_losses)
+        assert all(torch.equal(a, b) for a, b in zip(losses, want_losses, strict=True)), (losses, want_losses)
         assert all(torch.equal(state[k], want_state[k]) for k in want_state), sorted(state)
         assert state["z"].shape == (0, 4) and state["empty.weight"].shape == (0, 4)
 

@@ -47,8 +47,8 @@ def train(stage, mode, dp, tp, steps=3):
 def on_rank_checkpointing_is_exact(stage, mode):
     want_losses, want_states = train(stage, None, dp=2, tp=2)
     losses, states = train(stage, mode, dp=2, tp=2)
-    bad = [f"loss {i}" for i, (a, b) in enumerate(zip(losses, want_losses)) if not torch.equal(a, b)]
-    bad += [f"step {i} {k}" for i, (s, w) in enumerate(zip(states, want_states)) for k in w if not torch.equal(s[k], w[k])]
+    bad = [f"loss {i}" for i, (a, b) in enumerate(zip(losses, want_losses, strict=True)) if not torch.equal(a, b)]
+    bad += [f"step {i} {k}" for i, (s, w) in enumerate(zip(states, want_states, strict=True)) for k in w if not torch.equal(s[k], w[k])]
     return bad
 
 
@@ -134,7 +134,7 @@ def test_checkpointing_is_exact_in_any_schedule_width_and_layout(mode, case):
     width = 7 if case in ("unaligned", "sliced") else 16
     layout = case if case in ("transposed", "strided", "sliced") else None
     want, got = (schedule_grads(m, width, schedule, layout) for m in (None, mode))
-    assert all(torch.equal(a, b) for a, b in zip(got, want)), max((a - b).abs().max().item() for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), max((a - b).abs().max().item() for a, b in zip(got, want))
 
 
 def test_md_keeps_its_buffer_while_a_graph_holds_it():
@@ -261,7 +261,7 @@ def on_rank_whole_model_checkpointed(stage):
     want_losses, want_state, _ = on_rank_train_tied(0, checkpointed=False)
     losses, state, held = on_rank_train_tied(stage, checkpointed=True)
     _, _, plain_held = on_rank_train_tied(stage, checkpointed=False)
-    bad = [f"loss {i}" for i, (a, b) in enumerate(zip(losses, want_losses)) if not torch.equal(a, b)]
+    bad = [f"loss {i}" for i, (a, b) in enumerate(zip(losses, want_losses, strict=True)) if not torch.equal(a, b)]
     bad += [name for name in want_state if not torch.equal(state[name], want_state[name])]
     return bad, held, plain_held
 
