@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero
-from helpers import DIM, VOCAB, compare, make_model, missed_errors, pairwise_hook, usage
+from helpers import DIM, VOCAB, average_gradients, compare, make_model, missed_errors, pairwise_hook, usage
 from ranks import run_on_ranks, settled
 
 STEPS = 6
@@ -2539,11 +2539,15 @@ def on_rank_stage3_patterns(stage):
     """Three SGD steps of a model with a positional embedding returning a view of its weight and a
     layer under the old torch.nn.utils.weight_norm (a forward pre-hook computes the weight from
     weight_g and weight_v), each step also taking the loss's gradient for the input (saliency);
-    then fp16 with loss scaling, the same input gradient. The losses and input gradients."""
+    then fp16 with loss scaling, the same input gradient. The losses and input gradients. stage
+    "torch": plain torch, the gradients averaged as DDP does, the reference."""
     torch.manual_seed(0)
     positions, fc = Positions(), nn.utils.weight_norm(nn.Linear(8, 8))
-    model, opt = zero.initialize(nn.ModuleDict(dict(positions=positions, fc=fc)), torch.optim.SGD, stage=stage,
-                                 lr=0.1)
+    model = nn.ModuleDict(dict(positions=positions, fc=fc))
+    if stage == "torch":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        model, opt = zero.initialize(model, torch.optim.SGD, stage=stage, lr=0.1)
     results = []
     for step in range(3):
         g = torch.Generator().manual_seed(10 * step + dist.get_rank())
@@ -2551,38 +2555,49 @@ def on_rank_stage3_patterns(stage):
         loss = fc(x + positions(5)).square().mean()
         results += [loss.detach(), torch.autograd.grad(loss, x, retain_graph=True)[0]]
         loss.backward()
+        if stage == "torch":
+            average_gradients(model)
         opt.step()
         opt.zero_grad()
     torch.manual_seed(0)
-    model, opt = zero.initialize(nn.Linear(8, 8).half(), torch.optim.SGD, stage=stage, param_dtype=torch.float16,
-                                 lr=0.1)
+    model = nn.Linear(8, 8).half()
+    if stage != "torch":
+        model, opt = zero.initialize(model, torch.optim.SGD, stage=stage, param_dtype=torch.float16, lr=0.1)
     x = torch.randn(5, 8, dtype=torch.float16, requires_grad=True)
     results.append(torch.autograd.grad(model(x).float().sum(), x)[0])  # not a backward to scale: no error
     return results
 
 
 @pytest.mark.xdist_group("world2")
-def test_stage3_returned_parameter_views_weight_norm_hooks_and_input_gradients_match_stage0(world):
+def test_stage3_returned_parameter_views_weight_norm_hooks_and_input_gradients_match_torch(world):
     """A module's output that is a view of its gathered weight leaves as a copy (it was the freed
     buffer: NaN, or a crash); zero gathers before a pre-hook the module had already (weight_norm's
     read NaN stand-ins); autograd.grad for an input with fp16 loss scaling is no backward to scale
-    (it raised). Every loss and input gradient equals stage 0's bit for bit."""
-    want = world(2).run(on_rank_stage3_patterns, 0)
-    got = world(2).run(on_rank_stage3_patterns, 3)
-    for w, g in zip(want, got):
-        print("losses", [t.item() for t in g[0:6:2]], "stage 0", [t.item() for t in w[0:6:2]])
-        assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True))
+    (it raised). Every loss and input gradient of stages 0 and 3 equals plain torch's (gradients
+    averaged as DDP does) bit for bit."""
+    want = world(2).run(on_rank_stage3_patterns, "torch")
+    for stage in (0, 3):
+        for w, g in zip(want, world(2).run(on_rank_stage3_patterns, stage), strict=True):
+            print(f"stage {stage} losses", [t.item() for t in g[0:6:2]], "torch", [t.item() for t in w[0:6:2]])
+            assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True)), stage
 
 
 def on_rank_functional_call_first(stage):
     """A first forward under torch.func.functional_call with copies of the weights (its input
-    gradients by autograd.grad), then 2 SGD steps: the losses, gradients and final weights."""
+    gradients by autograd.grad), then 2 SGD steps: the losses, gradients and final weights. stage
+    "torch": torch's DDP and SGD, the reference."""
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
-    model, opt = zero.initialize(mlp, torch.optim.SGD, stage=stage, bucket_numel=64, lr=0.1)
+    if stage == "torch":
+        model, opt = DDP(mlp), torch.optim.SGD(mlp.parameters(), lr=0.1)
+        weights = lambda: {n: w.detach().clone() for n, w in mlp.state_dict().items()}
+    else:
+        model, opt = zero.initialize(mlp, torch.optim.SGD, stage=stage, bucket_numel=64, lr=0.1)
+        weights = lambda: zero.full_state_dict(model)
     g, out = torch.Generator().manual_seed(dist.get_rank()), []
-    copies = {n: w.clone().requires_grad_() for n, w in zero.full_state_dict(model).items()}
-    loss = torch.func.functional_call(model, copies, (torch.randn(4, 8, generator=g),)).square().mean()
+    copies = {n: w.clone().requires_grad_() for n, w in weights().items()}
+    loss = torch.func.functional_call(mlp if stage == "torch" else model, copies,
+                                      (torch.randn(4, 8, generator=g),)).square().mean()
     out += [loss.detach(), *torch.autograd.grad(loss, list(copies.values()))]
     for step in range(2):
         loss = model(torch.randn(4, 8, generator=g)).square().mean()
@@ -2590,16 +2605,16 @@ def on_rank_functional_call_first(stage):
         opt.step()
         opt.zero_grad()
         out.append(loss.detach())
-    return out + list(zero.full_state_dict(model).values())
+    return out + list(weights().values())
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_functional_call_in_the_first_forward_matches_stage0(world, stage):
+def test_functional_call_in_the_first_forward_matches_ddp(world, stage):
     """torch.func.functional_call swaps other tensors into the modules' parameters; at stages 1-2
     the end of the first forward, which learns each module's wait point from its own parameters,
     looked those up in the flat layout (a KeyError naming a tensor). Every loss, gradient and
-    final weight equals stage 0's bit for bit."""
-    want = world(2).run(on_rank_functional_call_first, 0)
+    final weight equals DDP's bit for bit."""
+    want = world(2).run(on_rank_functional_call_first, "torch")
     got = world(2).run(on_rank_functional_call_first, stage)
     assert all(all(torch.equal(a, b) for a, b in zip(g, w, strict=True)) for g, w in zip(got, want, strict=True))
 
