@@ -25,12 +25,16 @@ from gpt import GPT, GPTConfig, make_mesh
 CONFIG = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 
 
+def decay_groups(module):
+    """Weight decay for the matrices, none for the vectors (the biases and LayerNorms)."""
+    return [{"params": [p for p in module.parameters() if p.dim() >= 2]},
+            {"params": [p for p in module.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def make(stage, bucket_numel=700, config=CONFIG, optimizer=torch.optim.AdamW, groups_swapped=False, seed=1,
          **kwargs):
     module = GPT(config, seed=seed, device="meta")
-    decay = [p for p in module.parameters() if p.dim() >= 2]
-    rest = [p for p in module.parameters() if p.dim() < 2]
-    groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+    groups = decay_groups(module)
     return zero.initialize(module, optimizer, stage=stage, bucket_numel=bucket_numel, stage3_units=module.h,
                            param_groups=groups[::-1] if groups_swapped else groups,
                            init_fn=module.init_weights, lr=1e-2, **kwargs)
@@ -1180,10 +1184,8 @@ def on_rank_load_into_a_model_frozen_at_initialize(path, stage):
     zero.save_checkpoint(path, model, opt)
     module = GPT(CONFIG, seed=2, device="meta")
     module.ln_f.requires_grad_(False)
-    groups = [{"params": [p for p in module.parameters() if p.dim() >= 2]},  # make()'s groups
-              {"params": [p for p in module.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     model, opt = zero.initialize(module, torch.optim.AdamW, stage=stage, bucket_numel=700, stage3_units=module.h,
-                                 param_groups=groups, init_fn=module.init_weights, lr=1e-2)
+                                 param_groups=decay_groups(module), init_fn=module.init_weights, lr=1e-2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         zero.load_checkpoint(path, model, opt)

@@ -91,7 +91,7 @@ def parse_args(argv=None):
                     + "): give a step directory a run saved (DIR/step_NNNNNN), or --save_dir DIR --resume "
                       "for its latest complete one")
         if (resume / "manifest.json").is_file():  # one tp slice of a --tp N checkpoint has a manifest of its own
-            slice_of = json.loads((resume / "manifest.json").read_text()).get("tp", [0, 1])
+            slice_of = tp_slice(resume / "manifest.json")
             if slice_of[1] > 1:
                 p.error(f"--resume {args.resume} is tp slice {slice_of[0]} of a checkpoint saved with --tp "
                         f"{slice_of[1]}: resume from its step directory, --resume {resume.parent} --tp {slice_of[1]}")
@@ -234,10 +234,15 @@ def checkpoint_part(path, tp, tp_rank):
     return pathlib.Path(path) / f"tp{tp_rank}" if tp > 1 else pathlib.Path(path)
 
 
+def tp_slice(manifest):
+    """[tp rank, tp size] of the slice a manifest.json describes (one saved before zero recorded it: [0, 1])."""
+    return json.loads(pathlib.Path(manifest).read_text()).get("tp", [0, 1])
+
+
 def saved_tp(path):
     """How many tp slices the checkpoint was saved as: what a slice's manifest says, else the slices there (a slice
     whose save did not finish counts)."""
-    said = [json.loads(m.read_text()).get("tp", [0, 1])[1] for m in pathlib.Path(path).glob("tp*/manifest.json")]
+    said = [tp_slice(m)[1] for m in pathlib.Path(path).glob("tp*/manifest.json")]
     there = len({d.name.removesuffix(".partial") for d in pathlib.Path(path).glob("tp*") if d.is_dir()})
     return max(said + [there, 1])
 

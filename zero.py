@@ -448,7 +448,7 @@ class MetaInit:
     def __init__(self, module, partition, init_fn):
         self.partition, self.init_fn, device = partition, init_fn, partition.device
         self.names = {p: name for name, p in module.named_parameters()}
-        self.sums = []  # per bucket, its values' bits summed as integers (see check_ranks_agree)
+        self.sums = []  # per bucket, its values' bits summed as integers (int64, wrapping; see check_ranks_agree)
         self.owner = {}  # parameter -> the first module that holds it (a tied weight has one owner)
         for m in module.modules():
             for p in m.parameters(recurse=False):
@@ -484,7 +484,7 @@ class MetaInit:
         values = part.values(k)
         if not values.is_meta:  # (the simulation's values are shapes only)
             bits = values.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()])
-            self.sums.append(sum(c.sum(dtype=torch.int64).item() for c in bits.chunk(8)))  # (an 8th at a time)
+            self.sums.append(sum(c.sum(dtype=torch.int64) for c in bits.chunk(8)).item())  # (an 8th at a time)
         for i, lo, hi in b.segments:
             m = self.owner[part.params[i]]
             self.left[m] -= self.last[i] == k
@@ -526,14 +526,11 @@ class MetaInit:
     def check_ranks_agree(self):
         """Each rank computes every bucket's values itself, and init_fn must make them the same on every rank
         (drawn from differing seeds, stage 0's replicas would train apart, and at stages 1-3 each rank's shard
-        would hold its own draws): each bucket's bits summed as integers, all-reduced as (max, -min) once."""
-        if not self.sums:
+        would hold its own draws): each bucket's bits summed as integers, compared over the ranks once."""
+        if not self.sums:  # (simulated on meta: no values)
             return
-        part, n = self.partition, len(self.sums)
-        sums = [x % 2**62 for x in self.sums]  # (an int64, negated too)
-        both = torch.tensor(sums + [-x for x in sums], dtype=torch.int64, device=part.flag_device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=part.group)  # (2 x buckets,): max and -min per bucket
-        differ = (both[:n] != -both[n:]).nonzero().flatten().tolist()
+        part = self.partition
+        differ = _differing(part.group, part.flag_device, dict(enumerate(self.sums)))  # {bucket: its sum}
         if differ:
             names = list(dict.fromkeys(self.names[part.params[i]] for i, lo, hi in part.buckets[differ[0]].segments))
             raise ValueError(f"init_fn gave the ranks different values (first in {names[:3]}): it must compute the "
@@ -2208,14 +2205,20 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     return module, optimizer
 
 
-def _check_ranks_agree(group, device, fields):
-    """Ranks that build different models or pass different arguments would mismatch their collectives: silently
-    wrong weights, a hang or an abort. A 56-bit hash per field, all-reduced as (max, -min): 16 bytes a field."""
+def _differing(group, device, fields):
+    """The names of `fields` whose values differ between the ranks: a 56-bit hash per field, all-reduced as
+    (max, -min), 16 bytes a field, at any Nd."""
     hashes = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:7], "little") for v in fields.values()]
     both = torch.tensor(hashes + [-h for h in hashes], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)  # (2 x fields,): the largest hash, minus the smallest
-    differ = [name for name, high, low in zip(fields, both[:len(hashes)].tolist(), both[len(hashes):].tolist())
-              if high != -low]
+    return [name for name, high, low in zip(fields, both[:len(hashes)].tolist(), both[len(hashes):].tolist())
+            if high != -low]
+
+
+def _check_ranks_agree(group, device, fields):
+    """Ranks that build different models or pass different arguments would mismatch their collectives: silently
+    wrong weights, a hang or an abort."""
+    differ = _differing(group, device, fields)
     if differ:
         mine = {name: fields[name] for name in differ if not name.startswith("parameters")}
         here = f" (rank {dist.get_rank(group)}: {mine})" if mine else ""
