@@ -272,6 +272,16 @@ def test_an_empty_data_file_is_named_too_short(tmp_path):
     assert proc.returncode != 0 and "the corpus (0 bytes) is too short" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_p_a_at_tp1_is_logged_as_keeping_the_whole_input():
+    """P_a keeps 1/tp of each block's input: at --tp 1 that is all of it, and the log says so."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--checkpoint", "P_a+cpu", *FAST],
+                          capture_output=True, text=True, timeout=120, cwd=HERE)
+    print(proc.stdout[-600:])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--checkpoint P_a+cpu at --tp 1 keeps each block's whole input, as --checkpoint full does, in CPU " \
+           "memory" in proc.stdout
+
+
 def test_latest_checkpoint_is_the_highest_complete_step(tmp_path):
     for done in ["step_999999", "step_1000000", "step_7/tp0", "step_7/tp1", "step_8/tp0"]:
         (tmp_path / done).mkdir(parents=True)

@@ -350,6 +350,9 @@ def main(argv=None):
     memory = zero.MemoryHooks(model, every_module=False)
     log(f"{backend} on {device.type} | world {world} = dp {dp} x tp {args.tp} | ZeRO stage {args.stage} | {args.dtype} | "
         f"model {args.model}: {num_params(config) / 1e6:.2f}M parameters | corpus {len(data) / 1e6:.1f} MB")
+    if args.checkpoint.startswith("P_a") and args.tp == 1:  # P_a keeps 1/tp of a block's input: all of it here
+        log(f"--checkpoint {args.checkpoint} at --tp 1 keeps each block's whole input, as --checkpoint full does"
+            + (", in CPU memory" if args.checkpoint == "P_a+cpu" else ""))
 
     gen, first = data_stream(args.seed, dp_rank, dp), 0  # each dp rank its own batches
     if args.resume:  # the model, optimizer, loss scale and RNG, then the step and the data position
