@@ -762,7 +762,9 @@ class ReadsItsWeightDetached(nn.Module):
 
 def on_rank_frozen_layouts(stage, case):
     """The losses of 3 SGD steps of a model where stage 3 cannot free a group holding a frozen
-    parameter at its module's input gradients, or must count its gradients afresh."""
+    parameter at its module's input gradients, or must count its gradients afresh. stage "torch":
+    plain torch, the gradients averaged as DDP does, the reference (the forwards call parts of the
+    model on their own, which DDP's forward would not see)."""
     torch.manual_seed(0)
     first, last, units = nn.Linear(16, 16), nn.Linear(16, 1), None
     if case == "input_in_a_dataclass":
@@ -781,8 +783,12 @@ def on_rank_frozen_layouts(stage, case):
     else:  # "input_passed_through", backward twice over the retained graph
         mid = LoRAPassingInput(16)
         forward = lambda x, step: last(sum(map(torch.tanh, mid(first(x)))))
-    model, opt = zero.initialize(nn.Sequential(first, mid, last), torch.optim.SGD, stage=stage, bucket_numel=64,
-                                 stage3_units=[units] if units and stage == 3 else None, lr=0.1)
+    model = nn.Sequential(first, mid, last)
+    if stage == "torch":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # (a parameter without a gradient: not stepped)
+    else:
+        model, opt = zero.initialize(model, torch.optim.SGD, stage=stage, bucket_numel=64,
+                                     stage3_units=[units] if units and stage == 3 else None, lr=0.1)
     losses = []
     for step in range(3):
         for m in (mid[0], mid[2]) if case == "frozen_then_unfrozen" else ():
@@ -792,6 +798,8 @@ def on_rank_frozen_layouts(stage, case):
         loss.backward(retain_graph=case == "input_passed_through")
         if case == "input_passed_through":
             loss.backward()
+        if stage == "torch":
+            average_gradients(model)
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
@@ -806,10 +814,13 @@ def test_stage3_keeps_a_group_with_frozen_parameters_while_backward_may_need_it(
     object, a leaf, no input needing a gradient) its group stays to the end of backward; the
     gradients to wait for are counted at each backward; a call that passes its input through
     is done when the input's gradient is; a weight read detached (no gradient edge) is kept like a
-    frozen one. Each case, with stage 0's losses."""
-    want = world(2).run(on_rank_frozen_layouts, 0, case)
-    for got, want in zip(world(2).run(on_rank_frozen_layouts, 3, case), want):
-        assert torch.equal(got, want), (got, want)
+    frozen one. Each case's losses at stages 0 and 3 equal plain torch's (gradients averaged as DDP
+    does) bit for bit (at world size 2 every order of summation gives the same bits)."""
+    want = world(2).run(on_rank_frozen_layouts, "torch", case)
+    for stage in (0, 3):
+        for got, ref in zip(world(2).run(on_rank_frozen_layouts, stage, case), want, strict=True):
+            print(case, f"stage {stage} losses", got.tolist(), "torch", ref.tolist())
+            assert torch.equal(got, ref), (stage, got, ref)
 
 
 
@@ -817,10 +828,15 @@ def on_rank_second_backward_over_one_forward(stage, case):
     """3 SGD steps, each one forward and two backward passes over its retained graph, through a
     group that holds a weight backward uses after the group's trainable gradient has arrived
     (a frozen weight beside a trainable bias; a weight read detached): the losses, the first
-    backward's gradients for the input, and the weights after the steps."""
+    backward's gradients for the input, and the weights after the steps. stage "torch": plain torch,
+    the gradients averaged as DDP does, the reference (DDP takes one backward per forward)."""
     torch.manual_seed(0)
     mid = ReadsItsWeightDetached(DIM) if case == "weight_read_detached" else FrozenWeightTrainableBias()
-    model, opt = zero.initialize(nn.Sequential(mid, nn.Linear(DIM, 1)), torch.optim.SGD, stage=stage, lr=0.1)
+    model = nn.Sequential(mid, nn.Linear(DIM, 1))
+    if stage == "torch":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        model, opt = zero.initialize(model, torch.optim.SGD, stage=stage, lr=0.1)
     losses, input_grads = [], []
     for step in range(3):
         x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1000 * step + dist.get_rank()))
@@ -835,11 +851,14 @@ def on_rank_second_backward_over_one_forward(stage, case):
         else:  # the input's gradient (adversarial training), then the parameters' from the same graph
             gx, = torch.autograd.grad(loss, x, retain_graph=True)
         loss.backward()
+        if stage == "torch":
+            average_gradients(model)
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
         input_grads.append(gx.clone())
-    return torch.stack(losses), torch.stack(input_grads), zero.full_state_dict(model)
+    return torch.stack(losses), torch.stack(input_grads), \
+        model.state_dict() if stage == "torch" else zero.full_state_dict(model)
 
 
 @pytest.mark.xdist_group("world2")
@@ -849,13 +868,18 @@ def test_stage3_keeps_a_group_with_frozen_parameters_in_a_second_backward_over_o
     say when backward is done with it (a leaf input; a weight read detached, learnt in the first
     forward) keeps its group in the second backward as in the first, and a backward that reached
     a call's inputs but no hook of zero's (torch.autograd.grad of a penalty on the input) leaves
-    no mark on the call for the next one. The gradients' results torch.equal to stage 0's."""
-    want = world(2).run(on_rank_second_backward_over_one_forward, 0, case)
-    for (losses, grads, state), (want_losses, want_grads, want_state) in \
-            zip(world(2).run(on_rank_second_backward_over_one_forward, 3, case), want):
-        assert torch.equal(losses, want_losses), (losses, want_losses)
-        assert torch.equal(grads, want_grads)
-        assert state.keys() == want_state.keys() and all(torch.equal(state[k], want_state[k]) for k in state), case
+    no mark on the call for the next one. The losses, input gradients and weights of stages 0 and 3
+    torch.equal to plain torch's (gradients averaged as DDP does; at world size 2 every order of
+    summation gives the same bits)."""
+    want = world(2).run(on_rank_second_backward_over_one_forward, "torch", case)
+    for stage in (0, 3):
+        for (losses, grads, state), (want_losses, want_grads, want_state) in \
+                zip(world(2).run(on_rank_second_backward_over_one_forward, stage, case), want, strict=True):
+            print(case, f"stage {stage} losses", losses.tolist(), "torch", want_losses.tolist())
+            assert torch.equal(losses, want_losses), (stage, losses, want_losses)
+            assert torch.equal(grads, want_grads), stage
+            assert state.keys() == want_state.keys() and all(torch.equal(state[k], want_state[k]) for k in state), \
+                (stage, case)
 
 def on_rank_reentrant_checkpoint_of_a_shared_block(stage):
     torch.manual_seed(0)
@@ -1281,20 +1305,24 @@ def on_rank_input_gradients(stage, wrt):
     """3 adversarial steps (FGSM): the input's gradient by torch.autograd.grad, taken after the
     previous step() and before zero_grad(), then a step on the perturbed input; or (wrt "a
     weight") the last Linear's weight gradient, as for logging its norm, then a step on the input.
-    Returns those gradients, the losses, the micro-batches each step counted and the final weights."""
+    Returns those gradients, the losses, the micro-batches each step counted and the final weights.
+    stage "ddp": torch's DDP and SGD, the reference (micro-batches None)."""
     torch.manual_seed(0)
-    model, opt = zero.initialize(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), torch.optim.SGD,
-                                 stage=stage, lr=0.1)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    if stage == "ddp":
+        model, opt = DDP(net), torch.optim.SGD(net.parameters(), lr=0.1)
+    else:
+        model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1)
     g, results = torch.Generator().manual_seed(dist.get_rank()), []
     for step in range(3):
         x, y = torch.randn(5, 8, generator=g, requires_grad=True), torch.randn(5, 4, generator=g)
-        gx, = torch.autograd.grad(F.mse_loss(model(x), y), x if wrt == "input" else model[2].weight)
+        gx, = torch.autograd.grad(F.mse_loss(model(x), y), x if wrt == "input" else net[2].weight)
         opt.zero_grad()
         loss = F.mse_loss(model((x + 0.1 * gx.sign()).detach() if wrt == "input" else x.detach()), y)
         loss.backward()
-        results.append((gx, loss.detach(), opt.gradients.micro_batches))
+        results.append((gx, loss.detach(), None if stage == "ddp" else opt.gradients.micro_batches))
         opt.step()
-    return results, zero.full_state_dict(model)
+    return results, net.state_dict() if stage == "ddp" else zero.full_state_dict(model)
 
 
 @pytest.mark.xdist_group("world2b")
@@ -1303,14 +1331,20 @@ def test_stage3_autograd_grad_is_no_micro_batch(world, wrt):
     """Stage 3 gathers the weights for any backward that reaches a module, but a backward that
     accumulates no parameter's gradient (autograd.grad, for the input or for a weight, which
     torch refuses to say it will run) reduces nothing and counts no micro-batch, as with DDP:
-    after step() it needs no zero_grad(), and each step counts 1. Those gradients, losses and
-    weights: stage 0's bits."""
-    want = world(2).run(on_rank_input_gradients, 0, wrt)
-    for (got, got_state), (ref, ref_state) in zip(world(2).run(on_rank_input_gradients, 3, wrt), want):
-        print("micro-batches per step", [m for _, _, m in got], "losses", [loss.item() for _, loss, _ in got])
-        assert [m for _, _, m in got] == [1, 1, 1]
-        assert all(torch.equal(a, b) and torch.equal(la, lb) for (a, la, _), (b, lb, _) in zip(got, ref, strict=True))
-        assert all(torch.equal(got_state[k], v) for k, v in ref_state.items())
+    after step() it needs no zero_grad(), and each step counts 1, at stage 0 as at stage 3. Those
+    gradients, losses and weights: DDP's bits (at world size 2 every order of summation gives the
+    same bits)."""
+    want = world(2).run(on_rank_input_gradients, "ddp", wrt)
+    for stage in (0, 3):
+        for (got, got_state), (ref, ref_state) in zip(world(2).run(on_rank_input_gradients, stage, wrt), want,
+                                                      strict=True):
+            print(f"stage {stage}: micro-batches per step", [m for _, _, m in got], "losses",
+                  [loss.item() for _, loss, _ in got], "DDP", [loss.item() for _, loss, _ in ref])
+            assert [m for _, _, m in got] == [1, 1, 1], stage
+            assert all(torch.equal(a, b) and torch.equal(la, lb)
+                       for (a, la, _), (b, lb, _) in zip(got, ref, strict=True)), stage
+            assert got_state.keys() == ref_state.keys()
+            assert all(torch.equal(got_state[k], v) for k, v in ref_state.items()), stage
 
 
 def on_rank_stage3_held_for_backward():
@@ -1473,11 +1507,15 @@ TERMS = {"square": lambda w: w.square().sum(),           # its node saves the we
 
 
 def on_rank_term_kept_as_an_attribute(stage, term, first, prefetch=1):
-    """Three steps adding 0.01 x the first unit's kept term to the loss: the losses and the weights, or the error."""
+    """Three steps adding 0.01 x the first unit's kept term to the loss: the losses and the weights, or the error.
+    stage "ddp": torch's DDP and SGD, the reference."""
     torch.manual_seed(0)
     net = nn.Sequential(Penalized(TERMS[term], first), Penalized(TERMS[term], first))
-    model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1,
-                                 **({"stage3_units": list(net), "prefetch": prefetch} if stage == 3 else {}))
+    if stage == "ddp":
+        model, opt = DDP(net), torch.optim.SGD(net.parameters(), lr=0.1)
+    else:
+        model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1,
+                                     **({"stage3_units": list(net), "prefetch": prefetch} if stage == 3 else {}))
     losses = []
     try:
         for step in range(3):
@@ -1489,7 +1527,7 @@ def on_rank_term_kept_as_an_attribute(stage, term, first, prefetch=1):
             losses.append(loss.detach())
     except RuntimeError as e:
         return str(e)
-    return losses, zero.full_state_dict(model)
+    return losses, net.state_dict() if stage == "ddp" else zero.full_state_dict(model)
 
 
 @pytest.mark.xdist_group("world2b")
@@ -1503,7 +1541,8 @@ def test_stage3_a_term_kept_as_an_attribute_that_backward_reaches_before_its_mod
     the loss) before it reaches those outputs, so before the unit is gathered again: it read the NaN stand-in
     (a view of the buffer: freed memory, a segmentation fault without prefetch), losses NaN from the second
     step, with no error. Now the first backward raises before that node runs, naming the fix. A term made
-    before the outputs (run after them) and one whose node saves no weight train as at stage 0, bit for bit."""
+    before the outputs (run after them) and one whose node saves no weight train as with DDP, bit for bit (at
+    world size 2 every order of summation gives the same bits)."""
     got = world(2).run(on_rank_term_kept_as_an_attribute, 3, term, first, prefetch)
     if term != "times 2" and not first:
         for message in got:
@@ -1511,10 +1550,11 @@ def test_stage3_a_term_kept_as_an_attribute_that_backward_reaches_before_its_mod
             assert "before it reached 0's outputs" in message and "Return the term from the module's forward" \
                 in message, message
         return
-    want = world(2).run(on_rank_term_kept_as_an_attribute, 0, term, first)
-    for (losses, weights), (want_losses, want_weights) in zip(got, want):
-        print("stage 3 losses", [x.item() for x in losses], "stage 0", [x.item() for x in want_losses])
+    want = world(2).run(on_rank_term_kept_as_an_attribute, "ddp", term, first)
+    for (losses, weights), (want_losses, want_weights) in zip(got, want, strict=True):
+        print("stage 3 losses", [x.item() for x in losses], "DDP", [x.item() for x in want_losses])
         assert all(map(torch.equal, losses, want_losses))
+        assert weights.keys() == want_weights.keys()
         assert all(torch.equal(weights[k], want_weights[k]) for k in want_weights)
 
 
@@ -1538,11 +1578,15 @@ class Stack(nn.Module):
 
 def on_rank_units_other_than_the_first_forwards(stage, scaled):
     """Steps that run other units than the first forward, the same on every rank (layer drop, reversed):
-    the most groups gathered at once in each step, and the weights."""
+    the most groups gathered at once in each step, and the weights. stage "ddp": torch's DDP (the
+    skipped blocks unused) and SGD, the reference."""
     torch.manual_seed(0)
     net = Stack(8, scaled)
-    model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1,
-                                 **({"stage3_units": net.blocks} if stage == 3 else {}))
+    if stage == "ddp":
+        model, opt = DDP(net, find_unused_parameters=True), torch.optim.SGD(net.parameters(), lr=0.1)
+    else:
+        model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1,
+                                     **({"stage3_units": net.blocks} if stage == 3 else {}))
     peak, peaks = [0], []
     if stage == 3:
         params, gather = opt.parameters, opt.parameters._gather
@@ -1561,7 +1605,7 @@ def on_rank_units_other_than_the_first_forwards(stage, scaled):
         opt.step()
         opt.zero_grad()
         peaks.append(peak[0])
-    return peaks, {name: t.tolist() for name, t in zero.full_state_dict(model).items()}
+    return peaks, net.state_dict() if stage == "ddp" else zero.full_state_dict(model)
 
 
 @pytest.mark.xdist_group("world2")
@@ -1574,11 +1618,16 @@ def test_stage3_frees_what_it_gathered_ahead_for_units_a_step_skips(world, scale
     the next starts: 3 at most. Only what a prefetch gathered and nothing used since is freed so: the
     root's group (scaled), which a reversed backward reaches first and uses to its end, was freed by
     an earlier version, its gradient then refused as read from a freed parameter; here it is one more
-    group held, as before. The weights are stage 0's."""
-    (peaks, weights), _ = world(2).run(on_rank_units_other_than_the_first_forwards, 3, scaled)
-    (_, want), _ = world(2).run(on_rank_units_other_than_the_first_forwards, 0, scaled)
+    group held, as before. The weights are DDP's, torch.equal (at world size 2 every order of summation
+    gives the same bits)."""
+    got = world(2).run(on_rank_units_other_than_the_first_forwards, 3, scaled)
+    want = world(2).run(on_rank_units_other_than_the_first_forwards, "ddp", scaled)
+    peaks = got[0][0]
     print("most groups gathered at once, per step (full, full, even, reversed, odd, full):", peaks)
-    assert max(peaks) <= 3 + scaled and weights == want, peaks
+    assert max(peaks) <= 3 + scaled, peaks
+    for (_, weights), (_, want_weights) in zip(got, want, strict=True):
+        assert weights.keys() == want_weights.keys()
+        assert all(torch.equal(weights[k], w) for k, w in want_weights.items())
 
 
 def on_rank_buckets_held_where_parameters_get_no_gradient(stage, find_unused):
@@ -1683,16 +1732,27 @@ class TwoLinearBlocks(nn.Module):
 
 def on_rank_requires_grad_changed_around_a_forward(stage):
     """Losses and weights, 2 SGD steps a case, where requires_grad changes between forward and backward
-    (or between steps, or between two forwards), or an error's text."""
+    (or between steps, or between two forwards), or an error's text. stage "torch": plain torch, the
+    gradients averaged as DDP does, and torch.utils.checkpoint for zero.checkpoint_activations: the
+    reference (DDP takes no second backward over one graph, nor a parameter frozen after its forward)."""
     results = {}
     for case in ("frozen in step 0 only, reentrant checkpoint", "frozen between two forwards, unfrozen after",
                  "frozen after forward, zero.checkpoint_activations", "discriminator frozen after forward",
                  "frozen between two backwards over one graph", "frozen after autograd.grad for the input"):
         torch.manual_seed(0)
         net = TwoLinearBlocks(checkpoint="reentrant" in case)
-        model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1)
-        disc, disc_opt = zero.initialize(nn.Linear(1, 1), torch.optim.SGD, stage=stage, lr=0.1)
-        if "activations" in case:
+        if stage == "torch":
+            model, opt = net, torch.optim.SGD(net.parameters(), lr=0.1)
+            disc = nn.Linear(1, 1)
+            disc_opt = torch.optim.SGD(disc.parameters(), lr=0.1)
+        else:
+            model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1)
+            disc, disc_opt = zero.initialize(nn.Linear(1, 1), torch.optim.SGD, stage=stage, lr=0.1)
+        if "activations" in case and stage == "torch":  # each block recomputed in backward
+            for block in net.blocks:
+                block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
+                                                  use_reentrant=False)
+        elif "activations" in case:
             zero.checkpoint_activations(net.blocks)
         bias, losses = net.blocks[1][2].bias, []
         try:
@@ -1715,17 +1775,24 @@ def on_rank_requires_grad_changed_around_a_forward(stage):
                 if "discriminator" in case:  # a GAN: the discriminator's step, then the generator's, which
                     disc_opt.zero_grad()  # gives the discriminator no gradient
                     disc(model(x).detach()).square().mean().backward()
+                    if stage == "torch":
+                        average_gradients(disc)
                     disc_opt.step()
                     loss = disc(model(x)).square().mean()
                     disc.requires_grad_(False)
                 loss.backward()
+                if stage == "torch":
+                    average_gradients(model)
                 opt.step()
                 opt.zero_grad()
                 for p in [*model.parameters(), *disc.parameters()]:
                     p.requires_grad_(True)
-                losses.append(loss.item())
-            results[case] = losses, [t.tolist() for m in (model, disc) for t in zero.full_state_dict(m).values()]
+                losses.append(loss.detach())
+            state = (m.state_dict() if stage == "torch" else zero.full_state_dict(m) for m in (model, disc))
+            results[case] = torch.stack(losses), [t for sd in state for t in sd.values()]
         except RuntimeError as e:
+            if stage == "torch":
+                raise
             results[case] = str(e)
     return results
 
@@ -1740,14 +1807,19 @@ def test_stage3_counts_the_gradients_a_backward_brings_where_requires_grad_chang
     forwards cleared at every backward's end missed a retained graph's second backward (and a backward
     after torch.autograd.grad for the input): each raised "neither running nor gathered". A hook with no
     gradient ran the refusals of a backward that accumulates (a GAN's discriminator frozen after its
-    forward: "without optimizer.zero_grad()"). All six give stage 0's losses and weights at stages 2
-    and 3."""
-    want, _ = world(2).run(on_rank_requires_grad_changed_around_a_forward, 0)
-    for stage in (2, 3):
-        got, _ = world(2).run(on_rank_requires_grad_changed_around_a_forward, stage)
-        for case in want:
-            print(stage, case, got[case] if isinstance(got[case], str) else got[case][0])
-            assert got[case] == want[case] and not isinstance(want[case], str), (case, got[case])
+    forward: "without optimizer.zero_grad()"). All six give plain torch's losses and weights (gradients
+    averaged as DDP does) at stages 0, 2 and 3, torch.equal (at world size 2 every order of summation
+    gives the same bits)."""
+    want = world(2).run(on_rank_requires_grad_changed_around_a_forward, "torch")
+    for stage in (0, 2, 3):
+        for got, ref in zip(world(2).run(on_rank_requires_grad_changed_around_a_forward, stage), want, strict=True):
+            for case, (want_losses, want_weights) in ref.items():
+                print(stage, case, got[case] if isinstance(got[case], str) else got[case][0].tolist(),
+                      "torch", want_losses.tolist())
+                assert not isinstance(got[case], str), (stage, case, got[case])
+                losses, weights = got[case]
+                assert torch.equal(losses, want_losses), (stage, case, losses, want_losses)
+                assert all(map(torch.equal, weights, want_weights)) and len(weights) == len(want_weights), (stage, case)
 
 
 def on_rank_stage3_after_uneven_groups():
@@ -1813,47 +1885,69 @@ PATTERNS = ["two forwards, then two backwards", "a no_grad forward between forwa
 def on_rank_forwards_around_kept_groups(stage, pattern):
     """3 steps of a loop whose forwards meet the groups a forward kept for backward (from the
     second step on) still gathered. Returns the losses, the gathered bytes beyond the shard
-    after each step, and the final weights."""
+    after each step, and the final weights. stage "torch": plain torch, each backward's gradients
+    averaged as DDP does and added to the earlier backwards' averages (zero's accumulation,
+    docs/api.md), the reference (DDP takes one backward per forward); no bytes measured."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
-    model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1)  # (no state: the shard's bytes stay)
+    if stage == "torch":
+        model, opt = net, torch.optim.SGD(net.parameters(), lr=0.1)
+    else:
+        model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1)  # (no state: the shard's bytes stay)
     g, losses, held = torch.Generator().manual_seed(dist.get_rank()), [], []
-    shard = zero.model_state_bytes(model)
+    measure = (lambda: 0) if stage == "torch" else lambda: zero.model_state_bytes(model)
+    shard = measure()
+
+    def backward(loss, retain_graph=False):
+        if stage != "torch":
+            return loss.backward(retain_graph=retain_graph)
+        before = [p.grad for p in net.parameters()]  # the sum of the earlier backwards' averages
+        net.zero_grad()
+        loss.backward(retain_graph=retain_graph)
+        average_gradients(net)
+        for p, b in zip(net.parameters(), before, strict=True):
+            p.grad = p.grad if b is None else b + p.grad
+
     for step in range(3):
         x1, x2 = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
         if pattern == "two forwards, then two backwards":
             l1, l2 = model(x1).pow(2).mean(), model(x2).pow(2).mean()
-            l1.backward()
-            l2.backward()
+            backward(l1)
+            backward(l2)
         elif pattern == "a no_grad forward between forward and backward":
             l1 = model(x1).pow(2).mean()
             with torch.no_grad():
                 l2 = model(x2).pow(2).mean()
-            l1.backward()
+            backward(l1)
         else:
             l1 = l2 = model(x1).pow(2).mean()
-            l1.backward(retain_graph=True)
-            l1.backward()
+            backward(l1, retain_graph=True)
+            backward(l1)
         opt.step()
         opt.zero_grad()
         losses.append(torch.stack([l1.detach(), l2.detach()]))
-        held.append(zero.model_state_bytes(model) - shard)
-    return losses, held, zero.full_state_dict(model)
+        held.append(measure() - shard)
+    return losses, held, net.state_dict() if stage == "torch" else zero.full_state_dict(model)
 
 
 @pytest.mark.xdist_group("world2b")
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_stage3_forwards_that_meet_kept_groups_give_stage0_bits(world, pattern):
+def test_stage3_forwards_that_meet_kept_groups_match_torch(world, pattern):
     """Forwards that start with the groups an earlier forward kept for backward still gathered
-    (they gather nothing for them) and backwards that free them give stage 0's losses and
-    weights bit for bit (world 2), and nothing stays gathered after a step."""
-    want = world(2).run(on_rank_forwards_around_kept_groups, 0, pattern)
-    for (losses, held, state), (want_losses, _, want_state) in zip(
-            world(2).run(on_rank_forwards_around_kept_groups, 3, pattern), want):
-        print(pattern, [x.tolist() for x in losses], "gathered after each step:", held)
-        assert all(map(torch.equal, losses, want_losses)), (losses, want_losses)
-        assert all(torch.equal(state[k], want_state[k]) for k in want_state)
-        assert held == [0, 0, 0], held
+    (they gather nothing for them) and backwards that free them give plain torch's losses and
+    weights (each backward's gradients averaged as DDP does, the averages summed) bit for bit, as
+    stage 0 does (world 2: every order of summation gives the same bits), and nothing stays
+    gathered after a step."""
+    want = world(2).run(on_rank_forwards_around_kept_groups, "torch", pattern)
+    for stage in (0, 3):
+        for (losses, held, state), (want_losses, _, want_state) in zip(
+                world(2).run(on_rank_forwards_around_kept_groups, stage, pattern), want, strict=True):
+            print(pattern, f"stage {stage}", [x.tolist() for x in losses], "torch", [x.tolist() for x in want_losses],
+                  "gathered after each step:", held)
+            assert all(map(torch.equal, losses, want_losses)), (stage, losses, want_losses)
+            assert state.keys() == want_state.keys()
+            assert all(torch.equal(state[k], want_state[k]) for k in want_state), stage
+            assert held == [0, 0, 0], (stage, held)
 
 
 @pytest.mark.xdist_group("world2b")
@@ -2495,15 +2589,20 @@ class ReadsAChildsWeight(nn.Module):
 
 def on_rank_losses_reading_a_childs_weight(stage):
     """Four SGD steps, rank 1 0.3 s late to each step (rank 0's forward finds the all-gathers in
-    flight): the losses."""
+    flight): the losses. stage "ddp": torch's DDP (`extra` unused but in step 2) and SGD, the
+    reference, with no rank late."""
     torch.manual_seed(0)
-    model, opt = zero.initialize(ReadsAChildsWeight(), torch.optim.SGD, stage=stage, bucket_numel=64, lr=0.5)
+    if stage == "ddp":
+        net = ReadsAChildsWeight()
+        model, opt = DDP(net, find_unused_parameters=True), torch.optim.SGD(net.parameters(), lr=0.5)
+    else:
+        model, opt = zero.initialize(ReadsAChildsWeight(), torch.optim.SGD, stage=stage, bucket_numel=64, lr=0.5)
     losses = []
     for step in range(4):
         idx = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
         loss = F.cross_entropy(model(idx, branch=step == 2).view(-1, 11), idx.view(-1))
         loss.backward()
-        if dist.get_rank() == 1:
+        if dist.get_rank() == 1 and stage != "ddp":
             time.sleep(0.3)
         opt.step()
         opt.zero_grad()
@@ -2515,12 +2614,13 @@ def on_rank_losses_reading_a_childs_weight(stage):
 def test_stage1_2_forward_waits_for_every_parameter_a_module_reads(world):
     """The first forward learns which parameters each module's own code reads (a child's weight
     too, before the child runs), and each later forward waits for those; a module that did not run
-    in the first forward waits for everything. Stages 1-2 give stage 0's losses bit for bit (with
-    only each module's own parameters waited for, the root read head.weight stale)."""
-    want = world(2).run(on_rank_losses_reading_a_childs_weight, 0)
+    in the first forward waits for everything. Stages 1-2 give DDP's losses bit for bit (at world
+    size 2 every order of summation gives the same bits; with only each module's own parameters
+    waited for, the root read head.weight stale)."""
+    want = world(2).run(on_rank_losses_reading_a_childs_weight, "ddp")
     for stage in (1, 2):
         got = world(2).run(on_rank_losses_reading_a_childs_weight, stage)
-        print(f"stage {stage}: {[g.tolist() for g in got]}, stage 0: {[w.tolist() for w in want]}")
+        print(f"stage {stage}: {[g.tolist() for g in got]}, DDP: {[w.tolist() for w in want]}")
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
@@ -2691,11 +2791,15 @@ def test_torch_compile_before_initialize_trains_as_eager(world, stage, when):
 
 
 def on_rank_module_reads_a_childs_parameters(stage):
-    """nn.MultiheadAttention's forward reads out_proj.weight without calling out_proj."""
+    """nn.MultiheadAttention's forward reads out_proj.weight without calling out_proj. stage "ddp": torch's
+    DDP and SGD, the reference."""
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(256, 256), nn.TransformerEncoderLayer(256, 4, 512, dropout=0.0, batch_first=True),
                            nn.Linear(256, 1))
-    model, opt = zero.initialize(module, torch.optim.SGD, stage=stage, bucket_numel=4096, lr=0.05)
+    if stage == "ddp":
+        model, opt = DDP(module), torch.optim.SGD(module.parameters(), lr=0.05)
+    else:
+        model, opt = zero.initialize(module, torch.optim.SGD, stage=stage, bucket_numel=4096, lr=0.05)
     losses, stale = [], []
     for step in range(4):
         x = torch.randn(2, 8, 256, generator=torch.Generator().manual_seed(1000 * step + dist.get_rank()))
@@ -2703,7 +2807,7 @@ def on_rank_module_reads_a_childs_parameters(stage):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if stage < 3:  # a submodule's state_dict ("save the backbone"), then after waiting
+        if stage in (1, 2):  # a submodule's state_dict ("save the backbone"), then after waiting
             block = {k: v.clone() for k, v in model[1].state_dict().items()}
             opt.wait_params()
             stale += [f"step {step}: {k}" for k, v in model[1].state_dict().items() if not torch.equal(v, block[k])]
@@ -2716,12 +2820,14 @@ def on_rank_module_reads_a_childs_parameters(stage):
 def test_a_module_that_reads_its_childs_parameters_waits_for_them(world, stage):
     """Stages 1-2: each module waits for the parameters it reads, its own and those of children
     whose forward it does not call, and a submodule's state_dict() waits too. Stage 3 gathers
-    nn.MultiheadAttention as one unit. Losses equal stage 0's."""
-    want = world(2).run(on_rank_module_reads_a_childs_parameters, 0)
+    nn.MultiheadAttention as one unit. Losses equal DDP's bit for bit (at world size 2 every order of
+    summation gives the same bits)."""
+    want = world(2).run(on_rank_module_reads_a_childs_parameters, "ddp")
     got = world(2).run(on_rank_module_reads_a_childs_parameters, stage)
-    for rank, ((losses, stale), (want_losses, _)) in enumerate(zip(got, want)):
+    for rank, ((losses, stale), (want_losses, _)) in enumerate(zip(got, want, strict=True)):
+        print(f"rank {rank} stage {stage} losses", [x.item() for x in losses], "DDP", [x.item() for x in want_losses])
         assert stale == [], f"rank {rank}: a submodule's state_dict() read before the all-gather ended: {stale}"
-        assert all(map(torch.equal, losses, want_losses)), f"rank {rank}: losses {losses}, stage 0 {want_losses}"
+        assert all(map(torch.equal, losses, want_losses)), f"rank {rank}: losses {losses}, DDP {want_losses}"
 
 
 
@@ -3284,21 +3390,30 @@ class WithEmptyParameters(nn.Module):
 
 
 def on_rank_empty_parameters(stage):
+    """Two AdamW steps: the losses and the weights. stage "ddp": torch's DDP and AdamW, the reference."""
     torch.manual_seed(0)
-    model, opt = zero.initialize(WithEmptyParameters(), torch.optim.AdamW, stage=stage, lr=0.1)
-    return losses_and_weights(model, opt, lambda step: model(torch.randn(2, 4, generator=rank_generator(step))), 2)
+    net = WithEmptyParameters()
+    if stage == "ddp":
+        model, opt = DDP(net), torch.optim.AdamW(net.parameters(), lr=0.1)
+    else:
+        model, opt = zero.initialize(net, torch.optim.AdamW, stage=stage, lr=0.1)
+    losses = train_losses(opt, lambda step: model(torch.randn(2, 4, generator=rank_generator(step))), 2)
+    return losses, net.state_dict() if stage == "ddp" else zero.full_state_dict(model)
 
 
 @pytest.mark.xdist_group("world2")
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_parameters_of_zero_size_train_as_at_stage0(world, stage):
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_parameters_of_zero_size_train_as_with_ddp(world, stage):
     """Stage 3 has nothing to gather for a group of zero-size parameters: they keep a view of its
     empty buffer, and their gradient is no sign of a read of a freed parameter. Losses and
-    weights torch.equal to stage 0's."""
-    want = world(2).run(on_rank_empty_parameters, 0)
-    for (losses, state), (want_losses, want_state) in zip(world(2).run(on_rank_empty_parameters, stage), want):
+    weights torch.equal to DDP's (at world size 2 every order of summation gives the same bits)."""
+    want = world(2).run(on_rank_empty_parameters, "ddp")
+    for (losses, state), (want_losses, want_state) in zip(world(2).run(on_rank_empty_parameters, stage), want,
+                                                          strict=True):
+        print(f"stage {stage} losses", [x.item() for x in losses], "DDP", [x.item() for x in want_losses])
         assert all(torch.equal(a, b) for a, b in zip(losses, want_losses, strict=True)), (losses, want_losses)
-        assert all(torch.equal(state[k], want_state[k]) for k in want_state), sorted(state)
+        assert state.keys() == want_state.keys() and all(torch.equal(state[k], want_state[k]) for k in want_state), \
+            sorted(state)
         assert state["z"].shape == (0, 4) and state["empty.weight"].shape == (0, 4)
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero
 from gpt import GPT, GPTConfig, make_mesh
@@ -125,8 +126,8 @@ def test_checkpointing_is_exact_in_any_schedule_width_and_layout(mode, case):
     B3): an M_D slot is reused only once the graph holding it is gone. unaligned: a width of 7,
     where slot i would start at 3 x 5 x 7 x 4 x i = 420 i bytes; the kernels' bits depend on alignment, so
     every slot starts 64-element aligned. transposed: a block input that is not contiguous is
-    recomputed in its own layout. strided: one with gaps between its elements (a slice) is
-    computed on a dense copy. sliced: a micro-batch sliced from a batch, starting 5 x 7 x 4 = 140 bytes
+    recomputed in its own layout. strided: one with gaps between its elements (a slice) too (see
+    the next test). sliced: a micro-batch sliced from a batch, starting 5 x 7 x 4 = 140 bytes
     into its storage, 12 past a 64-byte line, is recomputed from a copy starting 12 bytes past one too.
     Gradients torch.equal to no checkpointing."""
     schedule = [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)] \
@@ -135,6 +136,34 @@ def test_checkpointing_is_exact_in_any_schedule_width_and_layout(mode, case):
     layout = case if case in ("transposed", "strided", "sliced") else None
     want, got = (schedule_grads(m, width, schedule, layout) for m in (None, mode))
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), max((a - b).abs().max().item() for a, b in zip(got, want))
+
+
+class RowNormalized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.w * x / x.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("mode", SINGLE)
+def test_a_block_input_with_gaps_is_computed_and_recomputed_with_them(mode):
+    """x = every other element of a row: the block runs on x itself and recomputes on x rebuilt with the same gaps.
+    A sum along a row of 1,000 elements adds in another order over a dense copy of x (the last bits of output
+    and gradients differ). Output, x.grad and the weight's gradient torch.equal to no checkpointing."""
+    def run(checkpointed):
+        block = RowNormalized()
+        if checkpointed:
+            zero.checkpoint_activations([block], **SINGLE[mode])
+        x = torch.rand(4, 6, 2000, generator=torch.Generator().manual_seed(1))[..., ::2].requires_grad_()
+        y = block(x)
+        (y * torch.linspace(0, 1, 1000)).sum().backward()
+        return y.detach(), x.grad, block.w.grad
+
+    want, got = run(False), run(True)
+    print("weight's gradient", got[2].item(), "without checkpointing", want[2].item())
+    assert all(map(torch.equal, got, want))
 
 
 def test_md_keeps_its_buffer_while_a_graph_holds_it():
@@ -189,11 +218,62 @@ def test_checkpointing_takes_blocks_called_with_one_tensor():
         blocks[0](x, x, x)
     with pytest.raises(TypeError, match=r"block\(x\), with one tensor; this one got a tuple: checkpoint a module"):
         blocks[0]((x, x))  # (a pipeline's (hidden, mask))
-    with pytest.raises(TypeError, match=r"block\(x\), with one tensor; this one got no positional tensor, and "
-                                        r"keywords \['query'\]: checkpoint a module"):
-        blocks[0](query=x)  # (not a Python error naming zero's own argument)
+    with pytest.raises(TypeError, match=r"forward\(\) missing 2 required positional arguments: 'key' and 'value'"):
+        blocks[0](query=x)  # taken as blocks[0](x): the module's own error (not one naming zero's own argument)
+    with pytest.raises(TypeError, match=r"this one got no positional tensor, and keywords \['key', 'query'\]"):
+        blocks[0](query=x, key=x)
     with pytest.raises(TypeError, match=r"this one got 0 more argument\(s\) and keywords \['i'\]"):
         blocks[0](x, i=0)  # (a keyword named as one of zero's own arguments)
+
+class Counted(nn.Linear):
+    calls = 0
+
+    def forward(self, input):
+        self.calls += 1
+        return super().forward(input)
+
+
+def test_a_block_called_with_its_input_by_keyword_is_checkpointed():
+    """block(input=x), by the name of forward's one parameter: as block(x), as torch.utils.checkpoint takes it.
+    The block runs twice (forward, then the recomputation in backward); output and gradient as without."""
+    torch.manual_seed(0)
+    block = Counted(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    want = block(x)
+    want_grad, = torch.autograd.grad(want.sum(), x)
+    zero.checkpoint_activations([block])
+    block.calls = 0
+    got = block(input=x)
+    got.sum().backward()
+    assert block.calls == 2 and torch.equal(got, want) and torch.equal(x.grad, want_grad), block.calls
+
+
+def on_rank_p_a_over_ranks_that_feed_other_inputs(differ):
+    """P_a over the world's group, as a data-parallel job would wrongly pass it: each rank its own batch."""
+    blocks = nn.ModuleList([nn.Linear(8, 8)])
+    zero.checkpoint_activations(blocks, tp_group=dist.group.WORLD, partition=True)
+    rank = dist.get_rank()
+    rows, seed = (4 + 4 * rank, rank) if differ == "shape" else (4, rank) if differ == "values" else (4, 0)
+    x = torch.randn(rows, 8, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+    try:
+        blocks[0](x).sum().backward()
+    except ValueError as e:
+        return str(e)
+    return x.grad is not None
+
+
+@pytest.mark.xdist_group("world2")
+def test_p_a_refuses_tp_ranks_whose_block_inputs_differ(world):
+    """Inputs that differ over tp_group would be rebuilt from every rank's slice: a patchwork of them, silently
+    (values), or gloo's abort in backward (shape). Both raise in the first forward, naming the fix."""
+    for differ in ("values", "shape"):
+        got = world(2).run(on_rank_p_a_over_ranks_that_feed_other_inputs, differ)
+        print(got[0])
+        fields = "['values']" if differ == "values" else "['shape', 'values']"
+        assert all(f"fed block 0 inputs of different {fields}, but P_a needs the same input" in e and
+                   "pass the tensor-parallel group" in e for e in got), got
+    assert world(2).run(on_rank_p_a_over_ranks_that_feed_other_inputs, None) == [True, True]
+
 
 class Residual(nn.Module):
     def __init__(self):
@@ -242,8 +322,14 @@ class TiedLM(nn.Module):
 
 
 def on_rank_train_tied(stage, checkpointed):
+    """3 SGD steps: the losses, the weights and the bytes held after each step. stage "ddp": torch's
+    DDP and SGD, the reference (no bytes measured)."""
     torch.manual_seed(0)
-    model, opt = zero.initialize(TiedLM(), torch.optim.SGD, stage=stage, lr=0.1)
+    net = TiedLM()
+    if stage == "ddp":
+        model, opt = DDP(net), torch.optim.SGD(net.parameters(), lr=0.1)
+    else:
+        model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1)
     losses, held = [], []
     for step in range(3):
         idx = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
@@ -253,29 +339,32 @@ def on_rank_train_tied(stage, checkpointed):
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-        held.append(zero.model_state_bytes(model))
-    return losses, zero.full_state_dict(model), held
+        held.append(None if stage == "ddp" else zero.model_state_bytes(model))
+    return losses, net.state_dict() if stage == "ddp" else zero.full_state_dict(model), held
 
 
 def on_rank_whole_model_checkpointed(stage):
-    want_losses, want_state, _ = on_rank_train_tied(0, checkpointed=False)
+    want_losses, want_state, _ = on_rank_train_tied("ddp", checkpointed=False)
     losses, state, held = on_rank_train_tied(stage, checkpointed=True)
     _, _, plain_held = on_rank_train_tied(stage, checkpointed=False)
     bad = [f"loss {i}" for i, (a, b) in enumerate(zip(losses, want_losses, strict=True)) if not torch.equal(a, b)]
-    bad += [name for name in want_state if not torch.equal(state[name], want_state[name])]
-    return bad, held, plain_held
+    bad += [f"keys {sorted(state)}"] if state.keys() != want_state.keys() else \
+        [name for name in want_state if not torch.equal(state[name], want_state[name])]
+    return bad, held, plain_held, [x.item() for x in losses], [x.item() for x in want_losses]
 
 
 @pytest.mark.xdist_group("world2")
 @pytest.mark.parametrize("stage", [2, 3])
-def test_the_whole_model_checkpointed_gives_stage0_bits(world, stage):
+def test_the_whole_model_checkpointed_matches_ddp(world, stage):
     """torch.utils.checkpoint(model, idx) runs the root's forward again in backward, its tied
     weight's group included, and backward still needs that weight for the head: the end of the
     recomputed forward frees nothing (backward frees each group once its gradients are in).
-    Losses and weights torch.equal to stage 0 without checkpointing; after each step the rank
-    holds what it holds without checkpointing."""
-    for bad, held, plain_held in world(2).run(on_rank_whole_model_checkpointed, stage):
-        print(f"stage {stage}: held after each step {held} B, without checkpointing {plain_held} B")
+    Losses and weights torch.equal to DDP's without checkpointing (at world size 2 every order of
+    summation gives the same bits); after each step the rank holds what it holds without
+    checkpointing."""
+    for bad, held, plain_held, losses, want_losses in world(2).run(on_rank_whole_model_checkpointed, stage):
+        print(f"stage {stage}: losses {losses}, DDP {want_losses}; held after each step {held} B, without "
+              f"checkpointing {plain_held} B")
         assert bad == [] and held == plain_held, (bad, held, plain_held)
 
 

@@ -24,6 +24,7 @@ import datetime
 import functools
 import gc
 import hashlib
+import inspect
 import io
 import itertools
 import json
@@ -2040,11 +2041,13 @@ class ActivationCheckpointing:
         self.tp_group, self.cpu, self.contiguous = tp_group, cpu, contiguous
         self.tp = dist.get_world_size(tp_group) if partition and tp_group is not None else 1
         self.tp_rank = dist.get_rank(tp_group) if self.tp > 1 else 0
-        self.arena, self.busy = None, [False] * len(self.blocks)
+        self.arena, self.busy, self.checked = None, [False] * len(self.blocks), False
         for i, block in enumerate(self.blocks):
             block.forward = functools.partial(self._forward, i, block.forward)
 
     def _forward(self, i, forward, /, *args, **kwargs):
+        if not args and list(kwargs) == list(inspect.signature(forward).parameters)[:1]:  # block(x=h): as block(h)
+            args, kwargs = tuple(kwargs.values()), {}
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
             if len(args) == 1 and not kwargs:
                 got = f"a {type(args[0]).__name__}"
@@ -2057,9 +2060,11 @@ class ActivationCheckpointing:
         x = args[0]
         if not torch.is_grad_enabled():  # nothing to save for a backward
             return forward(x)
-        if torch.empty_like(x, device="meta").stride() != x.stride():  # not dense (a slice with gaps):
+        if self.tp > 1 and not self.checked:
+            self._check_inputs_agree(i, x)
+        if torch._debug_has_internal_overlap(x) == 1:  # an expanded x (elements share memory):
             x = x.contiguous()  # computed on a copy the recomputation can rebuild
-        like = torch.empty_like(x, device="meta")  # x's shape and strides, no memory
+        like = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")  # x's layout, no memory
         # where x starts past a line (a micro-batch sliced from a batch): the kernels' bits depend on it (CPU
         # kernels on 64-byte lines; cuBLASLt picks a kernel by alignment up to 256 bytes)
         line = 64 if x.device.type == "cpu" else 256
@@ -2078,6 +2083,20 @@ class ActivationCheckpointing:
         y = torch.utils.checkpoint.checkpoint(run, self._keep(i, x), x.new_empty(0), use_reentrant=False)
         holder[0] = None
         return y
+
+    def _check_inputs_agree(self, i, x):
+        """P_a rebuilds a block's input from every tp rank's slice: in the first forward the ranks' inputs are
+        compared (shape, dtype, the sum of their bits; 16 bytes a field), as a tp group the inputs differ over (the
+        data-parallel group) would train on a patchwork of them, silently."""
+        bits = x.detach().reshape(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+            x.element_size()]).sum(dtype=torch.int64).item()
+        differ = _differing(self.tp_group, x.device, {"shape": tuple(x.shape), "dtype": x.dtype, "values": bits})
+        if differ:
+            raise ValueError(f"zero.checkpoint_activations(partition=True): the ranks of tp_group fed block {i} "
+                             f"inputs of different {differ}, but P_a needs the same input on every rank of the "
+                             f"group, as Megatron's tensor-parallel blocks have it: pass the tensor-parallel group "
+                             f"(gpt.make_mesh(dp, tp)[1]), or partition=False")
+        self.checked = True
 
     def _keep(self, i, x):
         part = x.detach().reshape(-1)  # (B*T*C,)
@@ -2114,12 +2133,12 @@ class ActivationCheckpointing:
 
 
 def _placed(like, offset, line, device):
-    """An empty tensor of like's shape and strides (dense) whose first element lies `offset` bytes past a `line`:
-    one of its line // element_size starting positions in a buffer that many elements longer."""
-    n = like.element_size()
-    buffer = torch.empty(like.numel() + line // n, dtype=like.dtype, device=device)
+    """An empty tensor of like's shape and strides whose first element lies `offset` bytes past a `line`: one of
+    its line // element_size starting positions in a buffer that many elements longer than like's span."""
+    n, span = like.element_size(), 1 + sum((size - 1) * stride for size, stride in zip(like.shape, like.stride()))
+    buffer = torch.empty(span + line // n, dtype=like.dtype, device=device)
     start = (offset - buffer.data_ptr()) % line // n
-    return buffer[start:start + like.numel()].as_strided(like.shape, like.stride())
+    return buffer[start:start + span].as_strided(like.shape, like.stride())
 
 
 checkpoint_activations = ActivationCheckpointing
