@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import memory_table as mt
 import zero
@@ -226,6 +227,39 @@ def test_measured_model_states_match_the_formula_within_1_percent(world, nd, dty
             for what, got, want in zip(("parameters", "gradients", "optimizer states"), split, expected):
                 assert want <= got < 1.01 * want, (stage, rank, what, got, want)
             assert activations > 0
+
+
+def on_rank_frozen_body_bytes(stage, dtype):
+    """A frozen 512 x 512 Linear (a LoRA base, a feature extractor) under a trainable 512 x 64 head, one AdamW
+    step: (frozen Ψ, trainable Ψ, gradient elements laid out, zero.model_state_bytes)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 64))
+    net[0].requires_grad_(False)
+    model, opt = zero.initialize(net, torch.optim.AdamW, stage=stage, param_dtype=dtype, lr=1e-3)
+    opt.backward(model(torch.randn(8, 512, dtype=dtype or torch.float32)).float().square().mean())
+    opt.step()
+    grads = sum({t.untyped_storage()._cdata: t.numel() for t in opt.gradients.storages()}.values())
+    return (sum(p.numel() for p in net[0].parameters()), sum(p.numel() for p in net[1].parameters()), grads,
+            zero.model_state_bytes(model))
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_frozen_parameters_hold_no_gradient_or_optimizer_state(world, dtype):
+    """Gradients and optimizer states are laid out for the trainable parameters alone: Section 5 with Ψ split
+    into Ψ_f frozen (its parameters only; with param_dtype also its fp32 values, in the master, so that a
+    checkpoint gives them back as loaded: 4Ψ_f, over Nd at stages 1-3) and Ψ_t trainable, within 1% (padding,
+    AdamW's step counters)."""
+    nd, (pb, master) = 2, (4, 0) if dtype is None else (2, 4)
+    for stage in (0, 1, 2, 3):
+        frozen, trainable, grads, got = world(nd).run(on_rank_frozen_body_bytes, stage, dtype)[0]
+        share = [1, nd if stage >= 1 else 1, nd if stage >= 2 else 1, nd if stage == 3 else 1]  # K, -, grads, params
+        want = (pb * (frozen + trainable) / share[3] + pb * trainable / share[2] + 8 * trainable / share[1]
+                + master * (frozen + trainable) / share[1])
+        print(f"stage {stage}: gradient elements {grads} for Ψ_t {trainable} (Ψ_f {frozen}); bytes {got}, "
+              f"Section 5 {want:.0f} ({got / want:.4f}x)")
+        assert trainable / share[2] <= grads < 1.01 * trainable / share[2], (stage, grads)
+        assert want <= got < 1.01 * want, (stage, got, want)
 
 
 def tiny_odd_config():

@@ -230,7 +230,9 @@ def on_rank_native_against_exact(stage):
         with CommCounter() as counter:
             F.cross_entropy(model(x, True, True).view(-1, VOCAB), y.view(-1)).backward()
             opt._reduce()
-            grads = opt._grad(slice(0, opt.own_numel))
+            grads = torch.zeros(opt.own_numel)  # (a frozen parameter's and the padding's: zeros)
+            for piece in opt.pieces:
+                grads[piece.own] = opt._grad(piece.own)
         flat, part = opt._to_flat(grads), opt.partition  # the whole averaged gradient, flat layout
         names = {p: n for n, p in model.named_parameters()}
         out[reduction] = ({names[p]: flat[a:a + p.numel()].view(p.shape) for p, a in zip(part.params, part.offsets)
@@ -520,7 +522,7 @@ def on_rank_alignment(stage):
     starts = [(b.start + r * b.chunk) * size for b in part.buckets for r in range(part.nd)]
     starts += [b.own * size for b in part.buckets] + [b.chunk * size for b in part.buckets]
     chunks = [opt.parameters.owned(part.chunk(k), part.own(k)) for k in range(len(part.buckets))]
-    chunks += list(opt.gradients.reduced_chunks)
+    chunks += [c for c in opt.gradients.reduced_chunks if c is not None]  # (None: a frozen bucket's)
     return [x for x in starts + [t.data_ptr() for t in chunks] if x % 16]
 
 

@@ -212,7 +212,9 @@ class DynamicLossScale:
 # Sections 5 and 7 -- one flat parameter space, partitioned over the Nd ranks.
 # Parameters lie end to end in runs (reduced or gathered together), each cut into buckets of at
 # most C_B elements (ALIGN x Nd where C_B is smaller; its last one padded); rank r owns chunk r of
-# every bucket, and its chunks end to end are its shard, its "own space" (shard_numel elements).
+# every bucket, and its chunks end to end are its shard, its "own space" (shard_numel elements): the
+# trainable buckets' chunks first, so that gradients are laid out for those alone, a prefix of own
+# space (at stages 0-2 the trainable buckets are a prefix of the flat space too).
 # Figure 1's one contiguous shard per rank would reduce a bucket into one rank, whose link carries
 # Nd copies; here each rank sends and receives (Nd-1)/Nd of every bucket, a ring's volume (Section 7).
 #   reduce-scatter  every rank's gradient bucket in, the mean of chunk r out on rank r
@@ -243,13 +245,13 @@ class FlatPartition:
         self.buckets, self.segments_of = [], [[] for _ in params]  # segments_of[i]: (bucket, flat start, end)
         # chunks are multiples of ALIGN (16-byte aligned everywhere); a full bucket is <= max(bucket_numel, ALIGN * Nd)
         full = max(ALIGN, bucket_numel // self.nd // ALIGN * ALIGN) * self.nd
-        flat = own = 0
+        flat = 0
         for run, trainable in runs:
             first, start, numel = len(self.buckets), flat, sum(p.numel() for p in run)
             for lo in range(0, numel, full):
                 chunk = math.ceil(min(full, numel - lo) / self.nd / ALIGN) * ALIGN
-                self.buckets.append(Bucket(flat, min(full, numel - lo), chunk, own, trainable))
-                flat, own = flat + chunk * self.nd, own + chunk
+                self.buckets.append(Bucket(flat, min(full, numel - lo), chunk, None, trainable))
+                flat += chunk * self.nd
             at = start
             for p in run:  # end to end; each parameter's segments, bucket by bucket (all but the last full)
                 i, end = self.index[p], at + p.numel()
@@ -260,6 +262,10 @@ class FlatPartition:
                     self.buckets[k].segments.append((i, at, hi))
                     self.segments_of[i].append((k, at, hi))
                     at = hi
+        own = self.trainable_own = 0
+        for b in sorted(self.buckets, key=lambda b: not b.trainable):  # (stable: in flat order within each kind)
+            b.own, own = own, own + b.chunk
+            self.trainable_own += b.chunk if b.trainable else 0
         self.padded_numel, self.shard_numel = flat, own
         self.unwaited = collections.deque()  # the async collectives this rank started, in that order (see wait)
         self.failed = None  # what a failed collective raises again at every later start and wait
@@ -739,7 +745,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         used = self.gradients.used_anywhere
         like = torch.empty(0, dtype=self.weights_dtype, device=self.partition.device)
         norms = like.new_zeros(self.n_trainable)
-        if self.own_numel == self.partition.padded_numel:  # every gradient is whole here (stage 0, Nd 1)
+        if self.gradients.replicate:  # every gradient is whole here, in flat order (stage 0)
             for i in range(self.n_trainable):
                 a = self.partition.offsets[i]
                 norms[i] = _norm(self._grad(slice(a, a + self.partition.params[i].numel())), norm_type, foreach)
@@ -981,7 +987,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # Full tensors, in CPU memory, for export and tests (gathered; not on the training path).
     def _to_flat(self, own):
-        return own.cpu() if self.own_numel == self.partition.padded_numel else self.partition.to_flat(own)
+        return own.cpu() if self.gradients.replicate else self.partition.to_flat(own)  # (stage 0: own is flat)
 
     # For checkpoints: this rank's shard, read and written through its own space.
     def _all_states(self):
@@ -1019,7 +1025,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _saved_chunk(self, key, k):
         """This rank's chunk of bucket k of the weights (fp32 master, else parameters) or of state `key`."""
         part = self.partition
-        own = part.chunk(k) if self.own_numel == part.padded_numel else part.own(k)  # stage 0: own = flat
+        own = part.chunk(k) if self.gradients.replicate else part.own(k)  # stage 0: own = flat
         if key != "weights":
             return self._own_state(key, own)
         return self.master[own] if self.master is not None else self.parameters.owned(part.chunk(k), own)
@@ -1038,15 +1044,15 @@ class GradientBuckets:
         self.reached = None  # find_unused_parameters: the parameters the graph of forward reaches (see walk_graph)
         self.on_grad, self.on_backward_end = on_grad, on_backward_end
         self.n_trainable = sum(p.requires_grad for p in partition.params)
-        device = partition.device
-        self.full = torch.zeros(partition.padded_numel, dtype=precision.param_dtype, device=device) \
-            if keep_full else None
+        device, trainable_flat = partition.device, partition.trainable_own * partition.nd
+        # for the trainable parameters only: the prefix of the flat space (stages 0-1) or of own space they lie in
+        self.full = torch.zeros(trainable_flat, dtype=precision.param_dtype, device=device) if keep_full else None
         # reduced chunks: in the full gradient where it has the reduce dtype, else a flat (stage 0) or own-space buffer
         in_full = keep_full and precision.reduce_dtype == precision.param_dtype
         self.reduced = self.full if in_full else torch.zeros(
-            partition.padded_numel if replicate else partition.shard_numel, dtype=precision.reduce_dtype, device=device)
+            trainable_flat if replicate else partition.trainable_own, dtype=precision.reduce_dtype, device=device)
         self.reduced_chunks = [self.reduced[partition.chunk(k) if in_full or replicate else partition.own(k)]
-                               for k in range(len(partition.buckets))]
+                               if b.trainable else None for k, b in enumerate(partition.buckets)]
         self.order = [k for k, b in enumerate(partition.buckets) if b.trainable]  # reduced from its end
         self.order_agreed, self.order_seen, self.first_filled = False, False, None  # (see _agree_on_order)
         self.require_scaled_backward, self.scaled_backward, self.in_backward = False, False, False
@@ -2580,7 +2586,7 @@ def save_checkpoint(path, model, optimizer, **extra):
         for key in ["weights"] + keys:  # (shard_numel,): bucket k's chunk at own_k
             name = f"rank{part.rank}.{key}.bin"
             with open(partial / name, "wb") as f:
-                for k in range(len(part.buckets)):
+                for k in sorted(range(len(part.buckets)), key=lambda k: part.buckets[k].own):
                     _raw(opt._saved_chunk(key, k)).tofile(f)
             _seal(partial, files, name)
         buffers, extra_states = _persistent_buffers(model), _extra_states(model)
