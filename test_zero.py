@@ -3130,6 +3130,13 @@ def test_initialize_before_init_process_group_says_how():
         zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=1)
 
 
+def _with_aliased_params():
+    m = nn.Module()
+    m.w = nn.Parameter(torch.randn(3, 4))
+    m.v = nn.Parameter(m.w.data[0])  # a row of w, as a parameter of its own
+    return m
+
+
 def on_rank_bad_inputs():
     cases = {
         "stage must be 0, 1, 2 or 3 \\(got 4\\)": lambda: zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=4),
@@ -3205,6 +3212,24 @@ def on_rank_bad_inputs():
             loss_scale=zero.DynamicLossScale(init_scale=0.0), lr=0.1),
         "loss_scale must be positive and finite \\(got inf\\)": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.SGD, stage=1, param_dtype=torch.float16, loss_scale=math.inf, lr=0.1),
+        # (a backoff above 1 grew the scale at each overflow, a growth below 1 shrank it at each clean step)
+        "growth_factor must be above 1, backoff_factor between 0 and 1": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.SGD, stage=1, param_dtype=torch.float16, lr=0.1,
+            loss_scale=zero.DynamicLossScale(backoff_factor=1.5)),
+        "^DynamicLossScale\\(.*growth_factor=0.5.*\\): growth_factor must be above 1": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.SGD, stage=1, param_dtype=torch.float16, lr=0.1,
+            loss_scale=zero.DynamicLossScale(growth_factor=0.5)),
+        "check_timeout must be a positive number of seconds .* \\(got -5\\)": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.SGD, stage=3, lr=0.1, check_timeout=-5),
+        # (torch's differentiable step builds a graph through the weights; zero steps shards no graph reaches)
+        "differentiable=True: .* use differentiable=False": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.Adam, stage=1, differentiable=True),
+        # (torch.optim refuses a set too: each process may order it differently)
+        "param_groups holds a set, whose order changes between runs": lambda: (lambda m: zero.initialize(
+            m, torch.optim.SGD, stage=1, lr=0.1, param_groups=[{"params": set(m.parameters())}]))(nn.Linear(2, 2)),
+        # (torch.optim steps both in the one memory; zero's buffers would have parted them silently)
+        "parameters v and w share memory \\(one made from the other's data\\)": lambda: zero.initialize(
+            _with_aliased_params(), torch.optim.SGD, stage=1, lr=0.1),
         # device places a module built on meta; one built elsewhere would stay where it is
         "device places a module built on the meta device, but this one is on cpu already: build it under "
         "torch.device\\('meta'\\) and pass init_fn, or drop device": lambda: (
@@ -3428,19 +3453,28 @@ def on_rank_initialize_disagreeing(case):
     module = nn.Sequential(nn.Linear(4, 3 if case == "parameters" and rank == 1 else 4), nn.Linear(4, 2))
     if case == "stage3_units":  # a generator, each rank another unit (read once: compared all the same)
         kwargs = {"stage": 3, "stage3_units": (m for m in [module[rank]])}
+    if case == "loss_scale":  # (rank 0 alone all-reduced an overflow flag in step(): a hang)
+        kwargs.update(param_dtype=torch.float16, loss_scale=1024.0 if rank == 0 else None)
+    if case == "param_groups":  # (each rank stepped its own shard with its own options: a patchwork)
+        kwargs["param_groups"] = [{"params": module[0].parameters(), "weight_decay": 0.1 * rank},
+                                  {"params": module[1].parameters()}]
+    optimizer = torch.optim.Adam if case == "optimizer_class" and rank == 1 else torch.optim.SGD
     try:
-        zero.initialize(module, torch.optim.SGD, lr=0.1, **kwargs)
+        zero.initialize(module, optimizer, lr=0.2 if case == "optimizer options" and rank == 1 else 0.1, **kwargs)
     except ValueError as e:
         return str(e)
     return None
 
 
 @pytest.mark.xdist_group("world2")
-@pytest.mark.parametrize("case", ["stage", "bucket_numel", "parameters", "stage3_units"])
+@pytest.mark.parametrize("case", ["stage", "bucket_numel", "parameters", "stage3_units", "loss_scale",
+                                  "optimizer_class", "optimizer options", "param_groups"])
 def test_ranks_that_pass_initialize_different_things_are_told_which(world, case):
     """Unchecked, stages 3 and 0 on the two ranks would hang (one rank in a new_group, the other in
-    a broadcast), another bucket size would abort the peer inside gloo, and a parameter of another
-    shape would train each rank to other weights. Every rank raises at once, naming what differs."""
+    a broadcast), another bucket size would abort the peer inside gloo, a parameter of another
+    shape would train each rank to other weights, a loss scale on one rank only would hang its step,
+    and another optimizer, lr or group option would step each rank's shard its own way. Every rank
+    raises at once, naming what differs."""
     for error in world(2).run(on_rank_initialize_disagreeing, case, timeout=60):
         print(error)
         assert error and f"the ranks passed zero.initialize different ['{case}" in error, error

@@ -1734,10 +1734,11 @@ class ShardedParameters:
             return
         what = f"a parameter of {self.names[self.group_of[t]]}" if t in self.group_of else "a freed parameter"
         raise RuntimeError(f"stage 3: {what} {tuple(t.shape)} was read ({name}) while no module holding it ran, so "
-                           f"it has no data here. Read it through a module that holds it (a tied head: "
-                           f"self.head.weight = self.emb.weight) or in a forward hook registered with prepend=True. "
-                           f"A module inside a unit called outside it (block.fc(h)) has no hooks of its own: "
-                           f"leave the unit out of stage3_units")
+                           f"it has no data here. Make the module whose forward reads it a unit (stage3_units=[...]: "
+                           f"it gathers every parameter below it), read it through a module that holds it (a tied "
+                           f"head: self.head.weight = self.emb.weight) or in a forward hook registered with "
+                           f"prepend=True. A module inside a unit called outside it (block.fc(h)) has no hooks of its "
+                           f"own: leave the unit out of stage3_units")
 
     def end_raised_forward(self):
         """End a forward that a BaseException other than Exception (KeyboardInterrupt) stopped: always_call hooks run
@@ -2167,7 +2168,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     param_groups = _groups(param_groups)
     stage3_units = list(stage3_units or ())  # (it may be a generator: read once)
     _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
-           loss_scale, prefetch, reduction, init_fn, device, tp_group, optimizer_kwargs)
+           loss_scale, prefetch, reduction, init_fn, device, tp_group, optimizer_kwargs, check_timeout)
     params = list(module.parameters())  # unique: a tied weight is listed once
     trainable, frozen = [p for p in params if p.requires_grad], [p for p in params if not p.requires_grad]
     params = trainable + frozen
@@ -2185,11 +2186,15 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
                 for members in groups for wants_grad in (True, False)]
     bucket_numel = bucket_numel or default_bucket_numel(dist.get_world_size(group))
     unit_names = {m: name for name, m in module.named_modules()}
+    names = {p: name for name, p in module.named_parameters()}
     # the model's device (NCCL has no CPU collectives), or the CPU when simulating on meta
     _check_ranks_agree(group, torch.device("cpu") if device.type == "meta" else device, {
         "stage": stage, "bucket_numel": bucket_numel, "reduction": reduction, "param_dtype": precision.param_dtype,
-        "reduce_dtype": precision.reduce_dtype, "prefetch": prefetch,
-        "stage3_units": [unit_names.get(u) for u in stage3_units],
+        "reduce_dtype": precision.reduce_dtype, "prefetch": prefetch, "loss_scale": loss_scale,
+        "stage3_units": [unit_names.get(u) for u in stage3_units], "optimizer_class": optimizer_class,
+        "optimizer options": optimizer_kwargs, "param_groups": [
+            ({k: v for k, v in g.items() if k != "params"}, [names.get(p) for p in g["params"]])
+            for g in param_groups or ()],
         "parameters (names, shapes, dtypes, requires_grad)": [
             (name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()]})
     partition = FlatPartition(params, [(run, t) for run, t in runs if run], group, bucket_numel, reduction, device,
@@ -2256,6 +2261,9 @@ def _groups(param_groups):
     tensors or (name, tensor) pairs; or the parameters alone) as [{"params": [tensors], **options}]."""
     if param_groups is None:
         return None
+    if isinstance(param_groups, (set, frozenset)) or any(isinstance(g, dict) and isinstance(g.get("params"), (
+            set, frozenset)) for g in param_groups):  # (as torch.optim: ranks would lay out different orders)
+        raise TypeError("param_groups holds a set, whose order changes between runs and processes: use a list")
     groups = list(param_groups)
     if all(isinstance(g, (torch.Tensor, tuple)) for g in groups):
         groups = [{"params": groups}]
@@ -2303,7 +2311,7 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_refuse_regi
 
 
 def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
-           loss_scale, prefetch, reduction, init_fn, device, tp_group, optimizer_kwargs):
+           loss_scale, prefetch, reduction, init_fn, device, tp_group, optimizer_kwargs, check_timeout):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("zero.initialize needs a process group: call torch.distributed.init_process_group"
                            "('gloo' on CPU, 'nccl' on GPU) first")
@@ -2344,6 +2352,9 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     if {**options, **optimizer_kwargs}.get("fused") or any(g.get("fused") for g in param_groups or ()):
         raise ValueError("fused=True optimizers are not layout invariant (a shard updates to other bits "
                          "than the whole tensor): use fused=False, or foreach=True for speed")
+    if {**options, **optimizer_kwargs}.get("differentiable") or any(g.get("differentiable") for g in param_groups or ()):
+        raise ValueError("differentiable=True: zero's step updates its shards of the weights, which no graph "
+                         "reaches: use differentiable=False (as DDP's optimizer would need too)")
     for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"{name} must be torch.float32, torch.bfloat16 or torch.float16 (got {dtype})")
@@ -2353,6 +2364,15 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     if scale is not None and not 0 < scale < math.inf:  # (0: every gradient 0, then unscaled by 1/0 into NaN)
         raise ValueError(f"loss_scale must be positive and finite (got {scale!r}): a number for a static scale, "
                          f"zero.DynamicLossScale() for a dynamic one (DeepSpeed's loss_scale=0)")
+    if isinstance(loss_scale, DynamicLossScale) and not (loss_scale.growth_factor > 1 and 0 < loss_scale.backoff_factor
+                                                         < 1 and loss_scale.min_scale >= 0):  # (as GradScaler)
+        raise ValueError(f"{loss_scale}: growth_factor must be above 1, backoff_factor between 0 and 1 and min_scale "
+                         f"0 or more (else the scale grows on overflow or shrinks on clean steps)")
+    seconds = check_timeout.total_seconds() if isinstance(check_timeout, datetime.timedelta) else check_timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+        raise ValueError(f"check_timeout must be a positive number of seconds or a datetime.timedelta (got "
+                         f"{check_timeout!r}): how long a rank waits for the others at a stage-3 gather or a "
+                         f"zero collective call")
     params = list(module.parameters())
     if not any(p.numel() for p in params):
         raise ValueError("module has no parameters to shard" + (" (every one has 0 elements)" if params else ""))
@@ -2390,6 +2410,12 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
         raise ValueError("the parameters differ in dtype or device: " + ", ".join(
             f"{n} {d} on {v} ({kinds[d, v]} like it)" for (d, v), n in names.items()) + "; move the module to "
             f"one dtype and device (fp32; for 16-bit compute pass param_dtype)")
+    spans = sorted((p.data_ptr(), p.data_ptr() + (1 + sum((n - 1) * s for n, s in zip(p.shape, p.stride()))) *
+                    p.element_size(), name) for name, p in module.named_parameters() if p.numel() and not p.is_meta)
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):  # (sorted by start: an overlap is adjacent)
+        if start < end:  # torch.optim steps both in one memory; zero's buffers would part them
+            raise ValueError(f"parameters {first} and {second} share memory (one made from the other's data): "
+                             f"make one parameter and take views of it in forward")
     strided = [name for name, p in module.named_parameters() if not p.is_contiguous()]
     if strided:  # a view of the flat buffer is row-major; DDP keeps the layout, and kernels follow the weight's
         warnings.warn(f"{strided[0]} ({len(strided)} parameter(s)) is not contiguous: zero.initialize lays every "
