@@ -2685,25 +2685,32 @@ def test_stage3_returned_parameter_views_weight_norm_hooks_and_input_gradients_m
 
 
 def on_rank_functional_call_first(stage):
-    """A first forward under torch.func.functional_call with copies of the weights (its input
-    gradients by autograd.grad), then 2 SGD steps: the losses, gradients and final weights. stage
-    "torch": torch's DDP and SGD, the reference."""
+    """A first forward under torch.func.functional_call with copies of the weights (its gradients
+    by autograd.grad), then 3 SGD steps, rank 1 0.3 s late to each (rank 0's forward finds stages
+    1-2's all-gathers in flight), of a model whose own code reads its head's weight before the head
+    runs: the losses, gradients and final weights. stage "torch": torch's DDP and SGD, the reference."""
     torch.manual_seed(0)
-    mlp = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
-    if stage == "torch":
-        model, opt = DDP(mlp), torch.optim.SGD(mlp.parameters(), lr=0.1)
-        weights = lambda: {n: w.detach().clone() for n, w in mlp.state_dict().items()}
+    net = ReadsAChildsWeight()
+    if stage == "torch":  # (`extra`: never used)
+        model, opt = DDP(net, find_unused_parameters=True), torch.optim.SGD(net.parameters(), lr=0.5)
+        weights = lambda: {n: w.detach().clone() for n, w in net.state_dict().items()}
     else:
-        model, opt = zero.initialize(mlp, torch.optim.SGD, stage=stage, bucket_numel=64, lr=0.1)
+        # (at stage 3 the root reads head.weight: a unit, so that it gathers it)
+        model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, bucket_numel=64, lr=0.5,
+                                     stage3_units=[net] if stage == 3 else None)
         weights = lambda: zero.full_state_dict(model)
     g, out = torch.Generator().manual_seed(dist.get_rank()), []
     copies = {n: w.clone().requires_grad_() for n, w in weights().items()}
-    loss = torch.func.functional_call(mlp if stage == "torch" else model, copies,
-                                      (torch.randn(4, 8, generator=g),)).square().mean()
-    out += [loss.detach(), *torch.autograd.grad(loss, list(copies.values()))]
-    for step in range(2):
-        loss = model(torch.randn(4, 8, generator=g)).square().mean()
+    idx = torch.randint(0, 11, (4, 5), generator=g)
+    loss = F.cross_entropy(torch.func.functional_call(net if stage == "torch" else model, copies, (idx,)).view(-1, 11),
+                           idx.view(-1))
+    out += [loss.detach(), *torch.autograd.grad(loss, list(copies.values()), allow_unused=True, materialize_grads=True)]
+    for step in range(3):
+        idx = torch.randint(0, 11, (4, 5), generator=g)
+        loss = F.cross_entropy(model(idx).view(-1, 11), idx.view(-1))
         loss.backward()
+        if dist.get_rank() == 1 and stage != "torch":
+            time.sleep(0.3)
         opt.step()
         opt.zero_grad()
         out.append(loss.detach())
@@ -2712,13 +2719,38 @@ def on_rank_functional_call_first(stage):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_functional_call_in_the_first_forward_matches_ddp(world, stage):
-    """torch.func.functional_call swaps other tensors into the modules' parameters; at stages 1-2
-    the end of the first forward, which learns each module's wait point from its own parameters,
-    looked those up in the flat layout (a KeyError naming a tensor). Every loss, gradient and
-    final weight equals DDP's bit for bit."""
+    """torch.func.functional_call swaps other tensors into the modules' parameters: at stages 1-2 a
+    first forward under it reads those, not the parameters, so it learns no module's reads (the root's
+    read of head.weight went unseen, and every later forward read it while step()'s all-gather wrote
+    it); the next forward learns them. Every loss, gradient and final weight equals DDP's bit for bit
+    (at world size 2 every order of summation gives the same bits). At stage 3 the first forward's
+    check of reads of freed parameters, likewise, is made in the first forward not under
+    functional_call (it read the NaN stand-in of head.weight from the second step, silently)."""
     want = world(2).run(on_rank_functional_call_first, "torch")
     got = world(2).run(on_rank_functional_call_first, stage)
     assert all(all(torch.equal(a, b) for a, b in zip(g, w, strict=True)) for g, w in zip(got, want, strict=True))
+
+
+def on_rank_stage3_reads_after_a_functional_call():
+    """Stage 3, no unit around the root, whose code reads head.weight: a first forward under functional_call,
+    then one of the module itself: its error, or its loss."""
+    net = ReadsAChildsWeight()
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=3, lr=0.5)
+    idx = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(0))
+    torch.func.functional_call(model, {n: w.clone() for n, w in zero.full_state_dict(model).items()}, (idx,))
+    try:
+        return model(idx).sum().item()
+    except RuntimeError as e:
+        return str(e)
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage3_checks_reads_in_the_first_forward_not_under_functional_call(world):
+    """The first forward's check of reads of freed parameters runs in the module's own first forward (it read
+    the NaN stand-in of head.weight, silently, when the check was spent on a functional_call's)."""
+    for got in world(2).run(on_rank_stage3_reads_after_a_functional_call):
+        print(got)
+        assert isinstance(got, str) and "a parameter of head (11, 8) was read (embedding) while no module" in got
 
 
 def on_rank_compiled_losses(stage, when="after"):

@@ -1345,7 +1345,7 @@ class FlatParameters:
             # a module made around it after (torch.compile's wrapper, a parent) lists its parameters through this
             module.named_modules = types.MethodType(self._modules_after_wait, module)
             # the first forward of the whole module (not of a part called on its own) learns the reads
-            module.register_forward_pre_hook(lambda mod, args: self._start_reading(), prepend=True)
+            module.register_forward_pre_hook(lambda mod, args: self._start_reading(mod), prepend=True)
             module.register_forward_hook(lambda mod, args, out: self._learn_ends(), always_call=True)
 
     def _after_wait(self, module, *args, **kwargs):
@@ -1364,11 +1364,12 @@ class FlatParameters:
         if self.reads is not None:
             self._learn_ends()
 
-    def _start_reading(self):
+    def _start_reading(self, module):
         if self.ends is None and self.reads is None:
             self.wait()  # the first forward waits for everything and learns what each module reads
-            self.reads = ParameterReads(self._read)
-            self.reads.__enter__()
+            if all(p in self.partition.index for p in type(module).parameters(module)):  # (under
+                self.reads = ParameterReads(self._read)  # torch.func.functional_call, it reads other
+                self.reads.__enter__()  # tensors: a later forward learns)
 
     def _pre_forward(self, m):
         if self.ends is not None:  # (a module that did not run in the first forward waits for all)
@@ -1538,7 +1539,7 @@ class ShardedParameters:
         # always_call: a forward that raised frees its prefetched groups too (zero_grad() those kept for backward)
         module.register_forward_hook(lambda mod, args, out: self._end_forward(), always_call=True)
         module.register_forward_hook(lambda mod, args, out: self._learn_order())  # (a forward that raised: not all)
-        module.register_forward_pre_hook(lambda mod, args: self._start_reading(), prepend=True)
+        module.register_forward_pre_hook(lambda mod, args: self._start_reading(mod), prepend=True)
         module.register_forward_hook(lambda mod, args, out: self._stop_reading(), always_call=True)
 
     def load(self, k, values):
@@ -1785,8 +1786,10 @@ class ShardedParameters:
                                    f"self.pen = self.weight.square().sum() added to the loss, is differentiated "
                                    f"first). Return the term from the module's forward as one of its outputs")
 
-    def _start_reading(self):
-        if not self.order_known and self.reads is None:
+    def _start_reading(self, module):
+        # (under torch.func.functional_call the module reads other tensors: a later forward checks and learns)
+        if not self.order_known and self.reads is None and all(p in self.group_of for p in
+                                                               type(module).parameters(module)):
             self.group_of_storage = {b.untyped_storage()._cdata: g for g, b in enumerate(self.buffers) if b.numel()}
             self.reads = ParameterReads(self._read, self._made)
             self.reads.__enter__()
@@ -1815,6 +1818,9 @@ class ShardedParameters:
         first (the last unit's and those its prefetch takes), which a later forward building a graph keeps for
         backward (as FSDP2 keeps its root's): an all-gather and a check fewer per step."""
         if self.order_known:
+            return
+        if self.reads is None:  # a forward under torch.func.functional_call (see _start_reading): the next learns
+            self.unit_order, self.unit_position = [], {}
             return
         self.order_known, last = True, len(self.unit_order) - 1
         if last >= 0:
