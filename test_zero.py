@@ -891,7 +891,7 @@ def on_rank_reentrant_checkpoint_of_a_shared_block(stage):
     h = model[0](torch.randn(2, 4))
     for _ in range(2):  # each call's backward runs on its own and gives the block's parameters a gradient
         h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
-    return missed_errors({"got a gradient twice in one backward: a module called more than once inside "
+    return missed_errors({"parameter 1.0.weight got a gradient twice in one backward: a module called more than once inside "
                           "torch.utils.checkpoint(use_reentrant=True)": model[2](h).sum().backward}, (RuntimeError,))
 
 
@@ -3206,7 +3206,7 @@ def on_rank_bad_inputs():
             nn.ModuleList([nn.Linear(2, 2)])),
         "create_graph=True .* use stage 2": _gradient_penalty_at_stage3,
         "parameter 0.weight is laid out already by zero.initialize of another module": _a_parameter_in_two_models,
-        "sparse gradient .* sparse=False": _a_sparse_gradient,
+        "parameter 0.weight got a sparse gradient .* sparse=False": _a_sparse_gradient,
         # a parametrization after initialize moved the weight out of zero's buffers: stage 3 trained on NaN,
         # stages 0-2 on a copy the step never updated
         "as ParametrizationList.original would move it out of zero's buffers": lambda: (

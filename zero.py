@@ -1038,9 +1038,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 # (4Ψ in fp32, the buckets views into it); stages 2-3 only the reduced chunks (4Ψ/Nd), each bucket living until it
 # is reduced. Each micro-batch's backward is reduced on its own and added to the sum so far.
 class GradientBuckets:
-    def __init__(self, partition, precision, keep_full, replicate, on_grad, on_backward_end, name):
+    def __init__(self, partition, precision, keep_full, replicate, on_grad, on_backward_end, name, param_names):
         """keep_full: stages 0-1; replicate: stage 0 (see finish). on_grad, on_backward_end: the parameters' hooks."""
         self.partition, self.precision, self.replicate, self.name = partition, precision, replicate, name
+        self.param_names = param_names  # {parameter: its name}, for errors
         self.reached = None  # find_unused_parameters: the parameters the graph of forward reaches (see walk_graph)
         self.on_grad, self.on_backward_end = on_grad, on_backward_end
         self.n_trainable = sum(p.requires_grad for p in partition.params)
@@ -1178,18 +1179,18 @@ class GradientBuckets:
         self.begin()
         part, i = self.partition, self.partition.index[p]
         if i in self.skipped:  # (find_unused_parameters: its bucket may be reduced already)
-            raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient though the graph of the forward "
+            raise RuntimeError(f"parameter {self.param_names[p]} got a gradient though the graph of the forward "
                                f"output did not reach it, so find_unused_parameters=True took it as unused: it is "
                                f"read outside the forward (a loss reading model.head.weight): return what the loss "
                                f"needs from the forward")
         if self.used[i]:  # its bucket may be reduced already: the second part would be lost
-            raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient twice in one backward: a "
+            raise RuntimeError(f"parameter {self.param_names[p]} got a gradient twice in one backward: a "
                                f"module called more than once inside torch.utils.checkpoint(use_reentrant=True) (or "
                                f"used inside and outside it); use use_reentrant=False (or "
                                f"zero.checkpoint_activations). "
                                f"Or an earlier backward raised and was not ended: call optimizer.zero_grad() after it")
         if p.grad.layout != torch.strided:
-            raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a sparse gradient (nn.Embedding with "
+            raise RuntimeError(f"parameter {self.param_names[p]} got a sparse gradient (nn.Embedding with "
                                f"sparse=True): ZeRO's buckets are dense; build the layer with sparse=False")
         self.used[i] = True
         grad, a = p.grad.view(-1), part.offsets[i]
@@ -1503,6 +1504,7 @@ class ShardedParameters:
         self.partition, self.shared = partition, shared
         self.shard = torch.zeros(partition.shard_numel, dtype=dtype, device=partition.device)
         names = {m: name or "the root module" for name, m in module.named_modules()}
+        self.param_names = {p: name for name, p in module.named_parameters()}  # (for errors)
         self.names = [None] * len(groups)  # a group's name: the first module that gathers it
         for m, gids in hooks:
             for g in gids:
@@ -1629,7 +1631,7 @@ class ShardedParameters:
                 self._wait_gathered(g)
             if buf.numel() == 0 or self._gathered(g):
                 continue  # gathered already (or on its way)
-            moved = [tuple(p.shape) for p, view, stand_in in self.views[g] if not self.holds(p)]
+            moved = [self.param_names[p] for p, view, stand_in in self.views[g] if not self.holds(p)]
             if moved:  # the gather would replace it with the shard's values
                 raise RuntimeError(f"stage 3: parameters {moved[:3]} of {self.names[g]} were given new storage "
                                    f"(p.data = t, vector_to_parameters) outside its forward, so the gather would lose "
@@ -2213,7 +2215,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         parameters = ShardedParameters(partition, module, groups, hooks, shared, precision.param_dtype, prefetch)
     gradients = GradientBuckets(partition, precision, keep_full=stage < 2, replicate=stage == 0,
                                 on_grad=parameters.on_grad, on_backward_end=parameters.on_backward_end,
-                                name=type(module).__name__)
+                                name=type(module).__name__, param_names=names)
     if stage == 3:
         parameters.gradients = gradients
     if find_unused_parameters:
