@@ -283,6 +283,34 @@ def _zero_at_tp_clips_by_the_whole_models_norm(tp, stage, norm_type=2.0):
     return norms[1::2], {n: state[n] for n, p in model.named_parameters() if not hasattr(p, "tensor_model_parallel")}
 
 
+def _a_nan_gradient_on_one_tp_rank(tp, where, norm_type):
+    """A split weight whose gradient holds a NaN on tp rank `where` only: the clip's error, or its norm."""
+    dp_group, tp_group = make_mesh(dp=1, tp=tp)
+    torch.manual_seed(0)
+    net = nn.Linear(8, 8)
+    net.weight.tensor_model_parallel = True  # each tp rank's own slice
+    model, opt = zero.initialize(net, torch.optim.SGD, stage=1, group=dp_group, tp_group=tp_group, lr=0.1)
+    loss = model(torch.randn(3, 8, generator=torch.Generator().manual_seed(1))).square().sum()
+    if dist.get_rank(tp_group) == where:
+        loss = loss + model.weight[0, 0] * math.nan
+    loss.backward()
+    try:
+        return opt.clip_grad_norm_(0.1, norm_type, error_if_nonfinite=True).item()
+    except RuntimeError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf, -math.inf], ids=["l2", "inf", "-inf"])
+def test_a_nan_gradient_on_any_tp_rank_makes_the_norm_nan(world, norm_type):
+    """torch's norm of gradients holding a NaN is NaN, by any norm_type. Over tp slices the +-inf-norm is a max
+    (min) all-reduce, which gloo takes past a NaN from tp rank 1: the NaN travels as a flag beside it, so
+    error_if_nonfinite raises on every rank, wherever the NaN is."""
+    for where in (0, 1):
+        for got in _on_ranks(world, 2, _a_nan_gradient_on_one_tp_rank, where, norm_type):
+            print(f"NaN on tp rank {where}: {got}")
+            assert isinstance(got, str) and f"The total norm of order {norm_type} for gradients" in got, got
+
+
 @pytest.mark.parametrize("stage, norm_type", [(1, 2.0), (3, 2.0), (3, math.inf), (3, -math.inf)],
                          ids=["1-l2", "3-l2", "3-inf", "3--inf"])
 def test_zero_at_tp_clips_by_the_whole_models_norm(world, stage, norm_type):

@@ -779,9 +779,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         mine = torch.stack(mine) if mine else torch.zeros(0, dtype=self.weights_dtype, device=self.partition.device)
         if norm_type in (math.inf, -math.inf):  # the largest (smallest) norm of any slice, norms being >= 0
             part = torch.cat([mine, mine.new_tensor([0.0 if norm_type > 0 else math.inf])])  # (the identity)
-            part = part.max() if norm_type > 0 else part.min()
-            dist.all_reduce(part, op=dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN, group=self.tp_group)
-            return part
+            sign = 1.0 if norm_type > 0 else -1.0  # (min = -max of the negated)
+            # (2,): the largest, and whether a rank's is NaN (a backend's max may drop a NaN, torch's norm is NaN)
+            both = torch.stack([sign * (part.max() if norm_type > 0 else part.min()), part.isnan().any().to(part)])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.tp_group)
+            return torch.where(both[1] > 0, math.nan, sign * both[0])
         part = (mine ** norm_type).sum()
         dist.all_reduce(part, group=self.tp_group)
         return part ** (1.0 / norm_type)
