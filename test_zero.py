@@ -3094,6 +3094,9 @@ def on_rank_torch_idioms(stage):
     trainable = lambda m: [p for p in m.parameters() if p.requires_grad]
     for form, groups in {"a generator": lambda m: [{"params": (p for p in trainable(m))}],
                          "the parameters alone": trainable,
+                         # (torch.optim takes a generator of parameters or of groups as param_groups itself)
+                         "a generator of the parameters": lambda m: (p for p in trainable(m)),
+                         "a generator of groups": lambda m: ({"params": [p]} for p in trainable(m)),
                          "a tensor per group": lambda m: [{"params": p} for p in trainable(m)],
                          "named parameters": lambda m: [(n, p) for n, p in m.named_parameters() if p.requires_grad],
                          "named parameters in a group": lambda m: [

@@ -2271,10 +2271,10 @@ def _groups(param_groups):
     tensors or (name, tensor) pairs; or the parameters alone) as [{"params": [tensors], **options}]."""
     if param_groups is None:
         return None
+    groups = list(param_groups)  # (read once: it may be a generator)
     if isinstance(param_groups, (set, frozenset)) or any(isinstance(g, dict) and isinstance(g.get("params"), (
-            set, frozenset)) for g in param_groups):  # (as torch.optim: ranks would lay out different orders)
+            set, frozenset)) for g in groups):  # (as torch.optim: ranks would lay out different orders)
         raise TypeError("param_groups holds a set, whose order changes between runs and processes: use a list")
-    groups = list(param_groups)
     if all(isinstance(g, (torch.Tensor, tuple)) for g in groups):
         groups = [{"params": groups}]
     if not all(isinstance(g, dict) and "params" in g for g in groups):
