@@ -141,9 +141,9 @@ def on_rank_meta_bad_inputs():
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight)
     cases = {
-        "init_fn left ['bias'] of Linear unset: init_fn(m) must fill every parameter": lambda: zero.initialize(
+        "init_fn left ['bias'] of 0 (Linear) unset: init_fn(m) must fill every parameter": lambda: zero.initialize(
             nn.Sequential(nn.Linear(4, 4, device="meta")), torch.optim.AdamW, stage=1, init_fn=forgets_a_bias),
-        "init_fn left ['in_proj_weight', 'in_proj_bias'] of MultiheadAttention unset": lambda: zero.initialize(
+        "init_fn left ['in_proj_weight', 'in_proj_bias'] of the root module (MultiheadAttention) unset": lambda: zero.initialize(
             nn.MultiheadAttention(8, 2, device="meta"), torch.optim.AdamW, stage=3,
             init_fn=lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None),
         "on the meta device: pass init_fn": lambda: zero.initialize(
@@ -152,8 +152,8 @@ def on_rank_meta_bad_inputs():
         "already initialised: drop init_fn": lambda: zero.initialize(
             nn.Linear(4, 4), torch.optim.AdamW, stage=3, init_fn=lambda m: m.reset_parameters()),
     }
-    for what, dtype in (("left ['cache', 'table'] of WithBuffers unset", torch.int64),
-                        ("init_fn left ['cache', 'table'] of WithBuffers", torch.complex64)):
+    for what, dtype in (("left ['cache', 'table'] of the root module (WithBuffers) unset", torch.int64),
+                        ("init_fn left ['cache', 'table'] of the root module (WithBuffers)", torch.complex64)):
         cases[what] = lambda dtype=dtype: zero.initialize(  # buffers from __init__ that init_fn does not refill
             WithBuffers(meta=True, dtype=dtype), torch.optim.AdamW, stage=1, init_fn=lambda m: m.reset_parameters())
     return missed_errors(cases, ValueError)

@@ -455,6 +455,7 @@ class MetaInit:
     def __init__(self, module, partition, init_fn):
         self.partition, self.init_fn, device = partition, init_fn, partition.device
         self.names = {p: name for name, p in module.named_parameters()}
+        self.module_names = {m: name or "the root module" for name, m in module.named_modules()}  # (for errors)
         self.sums = []  # per bucket, its values' bits summed as integers (int64, wrapping; see check_ranks_agree)
         self.owner = {}  # parameter -> the first module that holds it (a tied weight has one owner)
         for m in module.modules():
@@ -524,8 +525,8 @@ class MetaInit:
         unset = [name for name, t in mine if t.dtype != torch.bool and
                  (t.isnan() if t.is_floating_point() or t.is_complex() else t == _unset_value(t)).any()]
         if unset:
-            raise ValueError(f"init_fn left {unset} of {type(m).__name__} unset: init_fn(m) must fill every "
-                             f"parameter and buffer m holds itself, those computed in __init__ too "
+            raise ValueError(f"init_fn left {unset} of {self.module_names[m]} ({type(m).__name__}) unset: init_fn(m) "
+                             f"must fill every parameter and buffer m holds itself, those computed in __init__ too "
                              f"(nn.MultiheadAttention has no reset_parameters: fill its in_proj_*)")
         for name, p in shared.items():
             setattr(m, name, p)
