@@ -2360,10 +2360,11 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
         names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
         raise ValueError(f"{getattr(cls, '__name__', cls)} cannot be sharded exactly: "
                          f"ZeRO splits the update across ranks, exact only for elementwise optimizers ({names})")
-    if {**options, **optimizer_kwargs}.get("fused") or any(g.get("fused") for g in param_groups or ()):
+    chosen = {**options, **optimizer_kwargs}
+    if chosen.get("fused") or any(g.get("fused") for g in param_groups or ()):
         raise ValueError("fused=True optimizers are not layout invariant (a shard updates to other bits "
                          "than the whole tensor): use fused=False, or foreach=True for speed")
-    if {**options, **optimizer_kwargs}.get("differentiable") or any(g.get("differentiable") for g in param_groups or ()):
+    if chosen.get("differentiable") or any(g.get("differentiable") for g in param_groups or ()):
         raise ValueError("differentiable=True: zero's step updates its shards of the weights, which no graph "
                          "reaches: use differentiable=False (as DDP's optimizer would need too)")
     for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
