@@ -166,6 +166,16 @@ def test_a_block_input_with_gaps_is_computed_and_recomputed_with_them(mode):
     assert all(map(torch.equal, got, want))
 
 
+@pytest.mark.parametrize("mode", SINGLE)
+def test_an_empty_block_input_with_gaps_is_recomputed(mode):
+    """A slice of no rows and some columns (strides of the whole) has no element: rebuilt as such."""
+    block = nn.Linear(3, 3)
+    zero.checkpoint_activations([block], **SINGLE[mode])
+    x = torch.randn(4, 100, requires_grad=True)[:0, :3]
+    block(x).sum().backward()
+    assert x.shape == (0, 3) and block.weight.grad is not None and not block.weight.grad.any()
+
+
 def test_md_keeps_its_buffer_while_a_graph_holds_it():
     """A micro-batch of another shape while one is in flight (a last, shorter batch): its
     checkpoints get copies of their own, and the M_D buffer is replaced only once no graph holds

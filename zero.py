@@ -37,7 +37,7 @@ import time
 import types
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 
 import torch
 import torch.distributed as dist
@@ -1371,9 +1371,10 @@ class FlatParameters:
     def _start_reading(self, module):
         if self.ends is None and self.reads is None:
             self.wait()  # the first forward waits for everything and learns what each module reads
-            if all(p in self.partition.index for p in type(module).parameters(module)):  # (under
-                self.reads = ParameterReads(self._read)  # torch.func.functional_call, it reads other
-                self.reads.__enter__()  # tensors: a later forward learns)
+            # (under torch.func.functional_call the module reads other tensors: a later forward learns)
+            if all(p in self.partition.index for p in type(module).parameters(module)):
+                self.reads = ParameterReads(self._read)
+                self.reads.__enter__()
 
     def _pre_forward(self, m):
         if self.ends is not None:  # (a module that did not run in the first forward waits for all)
@@ -2106,8 +2107,9 @@ class ActivationCheckpointing:
         """P_a rebuilds a block's input from every tp rank's slice: in the first forward the ranks' inputs are
         compared (shape, dtype, the sum of their bits; 16 bytes a field), as a tp group the inputs differ over (the
         data-parallel group) would train on a patchwork of them, silently."""
-        bits = x.detach().reshape(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
-            x.element_size()]).sum(dtype=torch.int64).item()
+        flat = (torch.view_as_real(x) if x.is_complex() else x).detach().reshape(-1)
+        bits = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]).sum(
+            dtype=torch.int64).item()
         differ = _differing(self.tp_group, x.device, {"shape": tuple(x.shape), "dtype": x.dtype, "values": bits})
         if differ:
             raise ValueError(f"zero.checkpoint_activations(partition=True): the ranks of tp_group fed block {i} "
@@ -2154,6 +2156,7 @@ def _placed(like, offset, line, device):
     """An empty tensor of like's shape and strides whose first element lies `offset` bytes past a `line`: one of
     its line // element_size starting positions in a buffer that many elements longer than like's span."""
     n, span = like.element_size(), 1 + sum((size - 1) * stride for size, stride in zip(like.shape, like.stride()))
+    span = span if like.numel() else 0  # (a dimension of size 0: no element)
     buffer = torch.empty(span + line // n, dtype=like.dtype, device=device)
     start = (offset - buffer.data_ptr()) % line // n
     return buffer[start:start + span].as_strided(like.shape, like.stride())
@@ -2246,10 +2249,29 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     return module, optimizer
 
 
+def _canonical(v):
+    """v as every rank writes it: dicts in key order, tensors by dtype, shape and values (not device), an object
+    torch.optim would only call (a function) by its type: a repr with an address or a device differs by rank."""
+    if isinstance(v, dict):
+        return sorted((str(k), _canonical(x)) for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return [_canonical(x) for x in v]
+    if isinstance(v, torch.Tensor):
+        return str(v.dtype), tuple(v.shape), v.tolist()
+    if isinstance(v, functools.partial):
+        return _canonical(v.func), _canonical(v.keywords)
+    if is_dataclass(v):
+        return type(v).__qualname__, _canonical(vars(v))
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype, type)):
+        return v
+    return type(v).__qualname__
+
+
 def _differing(group, device, fields):
     """The names of `fields` whose values differ between the ranks: a 56-bit hash per field, all-reduced as
     (max, -min), 16 bytes a field, at any Nd."""
-    hashes = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:7], "little") for v in fields.values()]
+    hashes = [int.from_bytes(hashlib.sha256(repr(_canonical(v)).encode()).digest()[:7], "little")
+              for v in fields.values()]
     both = torch.tensor(hashes + [-h for h in hashes], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)  # (2 x fields,): the largest hash, minus the smallest
     return [name for name, high, low in zip(fields, both[:len(hashes)].tolist(), both[len(hashes):].tolist())
@@ -2376,8 +2398,8 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     if scale is not None and not 0 < scale < math.inf:  # (0: every gradient 0, then unscaled by 1/0 into NaN)
         raise ValueError(f"loss_scale must be positive and finite (got {scale!r}): a number for a static scale, "
                          f"zero.DynamicLossScale() for a dynamic one (DeepSpeed's loss_scale=0)")
-    if isinstance(loss_scale, DynamicLossScale) and not (loss_scale.growth_factor > 1 and 0 < loss_scale.backoff_factor
-                                                         < 1 and loss_scale.min_scale >= 0):  # (as GradScaler)
+    dynamic = loss_scale if isinstance(loss_scale, DynamicLossScale) else None
+    if dynamic and not (dynamic.growth_factor > 1 and 0 < dynamic.backoff_factor < 1 and dynamic.min_scale >= 0):
         raise ValueError(f"{loss_scale}: growth_factor must be above 1, backoff_factor between 0 and 1 and min_scale "
                          f"0 or more (else the scale grows on overflow or shrinks on clean steps)")
     seconds = check_timeout.total_seconds() if isinstance(check_timeout, datetime.timedelta) else check_timeout
@@ -2422,12 +2444,18 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
         raise ValueError("the parameters differ in dtype or device: " + ", ".join(
             f"{n} {d} on {v} ({kinds[d, v]} like it)" for (d, v), n in names.items()) + "; move the module to "
             f"one dtype and device (fp32; for 16-bit compute pass param_dtype)")
-    spans = sorted((p.data_ptr(), p.data_ptr() + (1 + sum((n - 1) * s for n, s in zip(p.shape, p.stride()))) *
-                    p.element_size(), name) for name, p in module.named_parameters() if p.numel() and not p.is_meta)
-    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):  # (sorted by start: an overlap is adjacent)
-        if start < end:  # torch.optim steps both in one memory; zero's buffers would part them
-            raise ValueError(f"parameters {first} and {second} share memory (one made from the other's data): "
-                             f"make one parameter and take views of it in forward")
+    by_storage = collections.defaultdict(list)  # parameters made from one tensor's data (q, k = w[:, :4], w[:, 4:])
+    for name, p in module.named_parameters():
+        if p.numel() and not p.is_meta:
+            by_storage[p.untyped_storage().data_ptr()].append((name, p))
+    for shared in (s for s in by_storage.values() if len(s) > 1):
+        taken = torch.zeros(shared[0][1].untyped_storage().nbytes() // shared[0][1].element_size(), dtype=torch.bool)
+        for j, (name, p) in enumerate(shared):
+            mine = taken.as_strided(p.shape, p.stride(), p.storage_offset())  # its elements of the storage
+            if mine.any():  # torch.optim steps both in one memory; zero's buffers would part them
+                raise ValueError(f"parameter {name} shares memory with {[n for n, _ in shared[:j]]} (one made from "
+                                 f"another's data): make one parameter and take views of it in forward")
+            mine.fill_(True)
     strided = [name for name, p in module.named_parameters() if not p.is_contiguous()]
     if strided:  # a view of the flat buffer is row-major; DDP keeps the layout, and kernels follow the weight's
         warnings.warn(f"{strided[0]} ({len(strided)} parameter(s)) is not contiguous: zero.initialize lays every "
