@@ -262,11 +262,11 @@ class FlatPartition:
                     self.buckets[k].segments.append((i, at, hi))
                     self.segments_of[i].append((k, at, hi))
                     at = hi
-        own = self.trainable_own = 0
+        own = 0
         for b in sorted(self.buckets, key=lambda b: not b.trainable):  # (stable: in flat order within each kind)
             b.own, own = own, own + b.chunk
-            self.trainable_own += b.chunk if b.trainable else 0
         self.padded_numel, self.shard_numel = flat, own
+        self.trainable_own = sum(b.chunk for b in self.buckets if b.trainable)  # the prefix gradients cover
         self.unwaited = collections.deque()  # the async collectives this rank started, in that order (see wait)
         self.failed = None  # what a failed collective raises again at every later start and wait
 
@@ -399,6 +399,11 @@ class FlatPartition:
                           f"waits on)")
         work.wait()
 
+    def holds_its_parameters(self, module):
+        """Whether module's parameters are those laid out here: under torch.func.functional_call they are the
+        tensors it swapped in, so a forward reads those (the first forward's learning and checks wait for another)."""
+        return all(p in self.index for p in type(module).parameters(module))
+
     def refuse_after_failure(self):
         if self.failed is not None:
             raise RuntimeError(self.failed)
@@ -491,8 +496,7 @@ class MetaInit:
                 self._materialize(self.owner[part.params[i]])
         values = part.values(k)
         if not values.is_meta:  # (the simulation's values are shapes only)
-            bits = values.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()])
-            self.sums.append(sum(c.sum(dtype=torch.int64) for c in bits.chunk(8)).item())  # (an 8th at a time)
+            self.sums.append(_bit_sum(values).item())
         for i, lo, hi in b.segments:
             m = self.owner[part.params[i]]
             self.left[m] -= self.last[i] == k
@@ -544,6 +548,14 @@ class MetaInit:
             raise ValueError(f"init_fn gave the ranks different values (first in {names[:3]}): it must compute the "
                              f"same values on every rank: seed each parameter by its name, as gpt.py does, or call "
                              f"torch.manual_seed with one seed on every rank before zero.initialize")
+
+
+def _bit_sum(t):
+    """t's elements' bits summed as integers (int64, wrapping), a 0-d tensor on t's device: equal values give equal
+    sums on every rank, exactly (a float sum rounds). An eighth at a time: no t-sized int64 copy."""
+    t = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
+    bits = t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return sum(c.sum(dtype=torch.int64) for c in bits.chunk(8))
 
 
 def _unset_value(t):
@@ -1371,8 +1383,7 @@ class FlatParameters:
     def _start_reading(self, module):
         if self.ends is None and self.reads is None:
             self.wait()  # the first forward waits for everything and learns what each module reads
-            # (under torch.func.functional_call the module reads other tensors: a later forward learns)
-            if all(p in self.partition.index for p in type(module).parameters(module)):
+            if self.partition.holds_its_parameters(module):  # (else a later forward learns)
                 self.reads = ParameterReads(self._read)
                 self.reads.__enter__()
 
@@ -1793,9 +1804,8 @@ class ShardedParameters:
                                    f"first). Return the term from the module's forward as one of its outputs")
 
     def _start_reading(self, module):
-        # (under torch.func.functional_call the module reads other tensors: a later forward checks and learns)
-        if not self.order_known and self.reads is None and all(p in self.group_of for p in
-                                                               type(module).parameters(module)):
+        # (a forward under torch.func.functional_call reads other tensors: a later forward checks and learns)
+        if not self.order_known and self.reads is None and self.partition.holds_its_parameters(module):
             self.group_of_storage = {b.untyped_storage()._cdata: g for g, b in enumerate(self.buffers) if b.numel()}
             self.reads = ParameterReads(self._read, self._made)
             self.reads.__enter__()
@@ -2107,10 +2117,8 @@ class ActivationCheckpointing:
         """P_a rebuilds a block's input from every tp rank's slice: in the first forward the ranks' inputs are
         compared (shape, dtype, the sum of their bits; 16 bytes a field), as a tp group the inputs differ over (the
         data-parallel group) would train on a patchwork of them, silently."""
-        flat = (torch.view_as_real(x) if x.is_complex() else x).detach().reshape(-1)
-        bits = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]).sum(
-            dtype=torch.int64).item()
-        differ = _differing(self.tp_group, x.device, {"shape": tuple(x.shape), "dtype": x.dtype, "values": bits})
+        differ = _differing(self.tp_group, x.device, {"shape": tuple(x.shape), "dtype": x.dtype,
+                                                      "values": _bit_sum(x.detach()).item()})
         if differ:
             raise ValueError(f"zero.checkpoint_activations(partition=True): the ranks of tp_group fed block {i} "
                              f"inputs of different {differ}, but P_a needs the same input on every rank of the "
