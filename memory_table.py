@@ -301,8 +301,9 @@ def simulate_section(args):
                  "step's peak: the most bytes clip_grad_norm_ and step() (AdamW, foreach as on a GPU) hold at once\n"
                  "in tensors they make. The step converts, unscales and clips the gradient and runs the optimizer\n"
                  "a bucket's worth of the shard at a time; clipping brings each gradient whole, in fp32, to the\n"
-                 "rank taking its norm: not handed to a collective, the one temporary beyond C_B, up to the\n"
-                 "largest parameter (stage 3 gathers a unit at least that large).")
+                 "rank taking its norm: not handed to a collective, the one temporary beyond C_B, one large\n"
+                 "gradient at a time beside at most a bucket of small ones (stage 3 gathers a unit at least\n"
+                 "that large).")
     return {"simulate": dict(heading="Simulated at the paper's scale: zero.py on meta models in a fake world",
                              rows=rows, text=text),
             "simulate_comm": dict(heading="Communication at the paper's scale: the same simulated step, per rank",

@@ -496,6 +496,39 @@ def test_clip_grad_norm_shares_the_whole_gradients_between_the_ranks(world):
         assert received <= 0.6 * psi, (received, psi)
 
 
+def on_rank_wholes_held():
+    """The most elements clip_grad_norm_'s whole gradients hold at once on this rank (after each round of
+    its plan), the largest gradient, and a window: a bucket's worth (chunk * Nd)."""
+    torch.manual_seed(0)
+    # three 961-element gradients, each split over both ranks: norm ranks 0, 1, 0 (by load), so rank 0 takes two
+    model = nn.Sequential(*[nn.Linear(31, 31, bias=False) for _ in range(3)])
+    model, opt = zero.initialize(model, torch.optim.SGD, stage=2, bucket_numel=96, lr=0.1)
+    held, norms_of_round = [], zero.ZeroOptimizer._norms_of_round
+
+    def counted(self, *args):
+        norms_of_round(self, *args)
+        wholes = args[7]  # parameter index -> [its whole gradient, elements filled]
+        held.append(sum(whole.numel() for whole, filled in wholes.values()))
+    zero.ZeroOptimizer._norms_of_round = counted
+    try:
+        model(torch.randn(2, 31)).sum().backward()
+        opt.clip_grad_norm_(1.0)
+    finally:
+        zero.ZeroOptimizer._norms_of_round = norms_of_round
+    window = max(b.chunk for b in opt.partition.buckets) * opt.partition.nd
+    return max(held), max(p.numel() for p in model.parameters()), window
+
+
+@pytest.mark.xdist_group("world2b")
+def test_clip_grad_norm_fills_one_large_gradient_at_a_time(world):
+    """A norm rank holds the whole gradient it is filling and at most a window of others: a gradient
+    that would not end in the window it starts in starts a new one. (Rank 0 takes two of three
+    961-element gradients: before, it filled both at once, 1922 elements; here at most 961 + 96.)"""
+    for held, largest, window in world(2).run(on_rank_wholes_held):
+        print(f"held at once {held} elements, largest gradient {largest}, window {window}")
+        assert held <= largest + window, (held, largest, window)
+
+
 def on_rank_pieces_per_parameter(stage, kwargs):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))

@@ -591,11 +591,11 @@ def _norm(grad, norm_type, foreach=None):
     return torch.linalg.vector_norm(grad, norm_type)
 
 
-class _PieceStates(collections.defaultdict):
-    """optim.state, keyed by this rank's pieces: looking up a model parameter raises (a defaultdict would keep {})."""
+class _PieceStates(dict):
+    """optim.state, keyed by this rank's pieces: a new one gets {} as in torch.optim, a model parameter raises."""
 
     def __init__(self, names, states):
-        super().__init__(dict, states)
+        super().__init__(states)
         self.names = names
 
     def __missing__(self, key):
@@ -603,13 +603,8 @@ class _PieceStates(collections.defaultdict):
             raise KeyError(f"{self.names[key]} is a model parameter, but optimizer.state is keyed by pieces of this "
                            f"rank's shard: zero.full_optimizer_state(model)[{self.names[key]!r}] gathers it whole, "
                            f"once a step has made it (a collective)")
-        return super().__missing__(key)
-
-    def __copy__(self):  # (defaultdict's would call the constructor with its own arguments)
-        return type(self)(self.names, self)
-
-    def __reduce__(self):  # copy.deepcopy, pickle
-        return type(self), (self.names, dict(self))
+        self[key] = {}
+        return self[key]
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -809,7 +804,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return self.norm_plan
         part, me = self.partition, self.partition.rank
 
-        def quarter(a, z, q):  # quarter q of [a, z)
+        def quarter(k, lo, hi, j, q):  # quarter q of rank j's piece of flat [lo, hi) in bucket k (a >= z: none)
+            a, z = max(lo, part.chunk(k, j).start), min(hi, part.chunk(k, j).stop)
             return a + (z - a) * q // 4, a + (z - a) * (q + 1) // 4
         norm_rank, load = [], [0] * part.nd
         for i in range(self.n_trainable):
@@ -819,12 +815,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             else:
                 norm_rank.append(min(range(part.nd), key=lambda j: (load[j], j)))
             load[norm_rank[i]] += part.params[i].numel()
-        # windows[r]: rank r's segments (bucket, parameter, flat start, end), a full bucket's worth
+        # windows[r]: rank r's segments (bucket, parameter, flat start, end), a full bucket's worth. A gradient that
+        # would not end in the window it starts in starts a new one, so a window holds at most one gradient that
+        # goes on past it or came from before: a norm rank fills that one and at most a window of others at once.
         full = max(b.chunk for b in part.buckets) * part.nd
         windows, room = [[] for _ in range(part.nd)], [0] * part.nd
         for k, b in enumerate(part.buckets):
             for i, lo, hi in b.segments if b.trainable else ():
                 r = norm_rank[i]
+                if lo == part.offsets[i] and room[r] < part.params[i].numel():
+                    room[r] = 0
                 while lo < hi:  # cut where rank r's window is full
                     if room[r] == 0:
                         windows[r].append([])
@@ -837,26 +837,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # bucket where windows and buckets line up (at most 2.7 quarters in a random search of layouts at Nd 3-64).
         self.norm_plan = []
         for t in range(max(len(w) for w in windows)):
-            sends, receives, moves = [[] for _ in range(part.nd)], [[] for _ in range(part.nd)], False
-            for r in range(part.nd):
-                for k, i, lo, hi in windows[r][t] if t < len(windows[r]) else ():
-                    span, mine = part.holders(k, lo, hi), part.chunk(k)
-                    moves = moves or span != range(r, r + 1)
-                    if max(lo, mine.start) < min(hi, mine.stop):  # my piece of it, to its norm rank
-                        sends[r].append((k, max(lo, mine.start), min(hi, mine.stop)))
-                    for j in span if r == me else ():  # every rank's piece of it, to me
-                        receives[j].append((i, max(lo, part.chunk(k, j).start), min(hi, part.chunk(k, j).stop)))
+            window = [w[t] if t < len(w) else [] for w in windows]  # every norm rank's window t
+            moves = any(part.holders(k, lo, hi) != range(r, r + 1)  # any piece not on its norm rank already
+                        for r in range(part.nd) for k, i, lo, hi in window[r])
             for q in range(4):  # what this rank sends and receives, in rank order, and how much per rank
                 slices, pieces, send_splits, receive_splits = [], [], [0] * part.nd, [0] * part.nd
                 for j in range(part.nd):
-                    for k, a, z in sends[j]:
-                        a, z = quarter(a, z, q)
+                    for k, i, lo, hi in window[j]:  # my piece of rank j's window, to j
+                        a, z = quarter(k, lo, hi, me, q)
                         if a < z:
                             at = part.buckets[k].own - part.chunk(k).start  # flat -> own space
                             slices.append(slice(at + a, at + z))
                             send_splits[j] += z - a
-                    for i, a, z in receives[j]:
-                        a, z = quarter(a, z, q)
+                    for k, i, lo, hi in window[me]:  # rank j's piece of my window, to me
+                        a, z = quarter(k, lo, hi, j, q)
                         if a < z:
                             pieces.append((i, a - part.offsets[i], z - a))
                             receive_splits[j] += z - a
@@ -928,8 +922,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _count_writes(self, params):
         """Each parameter written (by a step, a load) goes up a version, as with torch.optim, so that a backward through
         a graph saved before raises ("modified by an inplace operation"). Recorded anew: not a user's write."""
-        for p in params:
-            torch.autograd.graph.increment_version(p)
+        torch.autograd.graph.increment_version(params)
         self.versions = [p._version for p in self.partition.params]
 
     def _written_since_step(self, record=True):
@@ -1090,20 +1083,18 @@ class GradientBuckets:
         self.finished, self.stepped = False, False  # finished: reduced by a clip or step(); stepped: step() used them
         self._new_backward()
 
-    @property
-    def used_anywhere(self):
-        """Which parameters some rank used in some backward of this step."""
-        self._read_flags()
-        return self.used_so_far
-
     def _read_flags(self):
-        """Wait for each backward's flags: the parameters some rank used, and whether rank 0 filled every bucket."""
+        """Wait for each backward's flags: the parameters some rank used, and whether rank 0 filled every bucket.
+        Returns which parameters some rank used in some backward of this step."""
         for work, used in self.used_flags:
             self.partition.wait(work)
             *flags, seen = used.bool().tolist()
             self.used_so_far = [u or v for u, v in zip(self.used_so_far, flags)]
             self.order_seen = self.order_seen or seen
         self.used_flags = []
+        return self.used_so_far
+
+    used_anywhere = property(_read_flags)
 
     def _new_backward(self):
         self.used = [False] * self.n_trainable  # this rank's gradient arrived, this backward
@@ -1357,35 +1348,26 @@ class FlatParameters:
                     m.register_forward_pre_hook(lambda mod, args: self._pre_forward(mod), prepend=True)
                     m.register_forward_hook(lambda mod, args, out: self._post_forward(), always_call=True)
                 m.register_state_dict_pre_hook(lambda *args: self.wait())
-                m.named_parameters = types.MethodType(self._after_wait, m)  # parameters() too
+                m.named_parameters = types.MethodType(self._after_wait("named_parameters"), m)  # parameters() too
             # a module made around it after (torch.compile's wrapper, a parent) lists its parameters through this
-            module.named_modules = types.MethodType(self._modules_after_wait, module)
+            module.named_modules = types.MethodType(self._after_wait("named_modules"), module)
             # the first forward of the whole module (not of a part called on its own) learns the reads
             module.register_forward_pre_hook(lambda mod, args: self._start_reading(mod), prepend=True)
             module.register_forward_hook(lambda mod, args, out: self._learn_ends(), always_call=True)
 
-    def _after_wait(self, module, *args, **kwargs):
-        """Listing the parameters waits for step()'s all-gathers, so a read before the next forward (an
-        EMA) sees the stepped weights. A method of the module, as torch.compile expects."""
-        self.wait()
-        return type(module).named_parameters(module, *args, **kwargs)
-
-    def _modules_after_wait(self, module, *args, **kwargs):
-        self.wait()
-        return type(module).named_modules(module, *args, **kwargs)
-
-    def end_raised_forward(self):
-        """At zero_grad(): end a first forward stopped by a KeyboardInterrupt (always_call hooks run on
-        an Exception only, so its ParameterReads is still active), learning the reads so far."""
-        if self.reads is not None:
-            self._learn_ends()
+    def _after_wait(self, name):
+        """Module.<name> that first waits for step()'s all-gathers: listing the parameters (or modules) before the
+        next forward (an EMA) gives the stepped weights. Made a method of the module, as torch.compile expects."""
+        def listing(module, *args, **kwargs):
+            self.wait()
+            return getattr(type(module), name)(module, *args, **kwargs)
+        return listing
 
     def _start_reading(self, module):
         if self.ends is None and self.reads is None:
             self.wait()  # the first forward waits for everything and learns what each module reads
             if self.partition.holds_its_parameters(module):  # (else a later forward learns)
-                self.reads = ParameterReads(self._read)
-                self.reads.__enter__()
+                self.reads = ParameterReads(self._read).__enter__()
 
     def _pre_forward(self, m):
         if self.ends is not None:  # (a module that did not run in the first forward waits for all)
@@ -1402,13 +1384,15 @@ class FlatParameters:
             self.read_ends[m] = max(self.read_ends[m], part.offsets[part.index[t]] + t.numel())
 
     def _post_forward(self):
-        if self.ends is None and self.reads is not None:
+        if self.reads is not None:
             self.reads.running.pop()
 
     def _learn_ends(self):
         """Each module's wait point: the end of what its code read in the first forward, and at least of
-        its own parameters and of children that did not run (in case reads escaped the mode in torch.compile)."""
-        if self.ends is not None or self.reads is None:
+        its own parameters and of children that did not run (in case reads escaped the mode in torch.compile).
+        Also at zero_grad(), for a first forward a KeyboardInterrupt stopped (always_call hooks run on an Exception
+        only, so its ParameterReads is still active): the reads so far."""
+        if self.reads is None:  # (not reading: not in the first forward, or learnt already)
             return
         self.reads.__exit__(None, None, None)
         self.reads = None
@@ -1417,6 +1401,8 @@ class FlatParameters:
             return max([self.own_end.get(m, 0)] + [end(c) for c in m.children() if c not in self.read_ends])
 
         self.ends = {m: max(read, end(m)) for m, read in self.read_ends.items()}
+
+    end_raised_forward = _learn_ends
 
     def load(self, k, values):
         self.flat[self.partition.flat_range(k)].copy_(values)
@@ -1428,10 +1414,7 @@ class FlatParameters:
     in_own_space = False  # owned(f, o) indexes the flat space
 
     def copy_owned(self, owned, source):
-        """The owned ranges of the parameters from `source`, an own-space tensor."""
-        if source.numel() == self.flat.numel():  # stage 0: the own space is the flat space
-            self.flat.copy_(source)
-            return
+        """The owned ranges of the parameters from `source`, an own-space tensor (stage 0: the flat space)."""
         for f, o in owned:
             self.flat[f].copy_(source[o])
 
@@ -1519,16 +1502,14 @@ class ShardedParameters:
         self.partition, self.shared = partition, shared
         self.shard = torch.zeros(partition.shard_numel, dtype=dtype, device=partition.device)
         names = {m: name or "the root module" for name, m in module.named_modules()}
-        self.param_names = {p: name for name, p in module.named_parameters()}  # (for errors)
         self.names = [None] * len(groups)  # a group's name: the first module that gathers it
         for m, gids in hooks:
             for g in gids:
                 self.names[g] = self.names[g] or names[m]
         self.group_of = {p: g for g, members in enumerate(groups) for p in members}
-        # a group's buckets are consecutive: its runs were laid out together
+        # a group's buckets, in order, are consecutive: its runs were laid out together
         self.group_buckets = [sorted({k for p in members for k, lo, hi in partition.segments_of[partition.index[p]]})
                               for members in groups]
-        self.group_buckets = [range(ks[0], ks[-1] + 1) if ks else range(0) for ks in self.group_buckets]
         self.groups, self.dtype, self.buffers, self.views = groups, dtype, [], []  # per group, made by bind()
         self.required = set()  # parameters that required a gradient in the forwards since a backward (see _grads_left)
         self.calls_seen = []  # the calls this backward reached or passed
@@ -1646,7 +1627,7 @@ class ShardedParameters:
                 self._wait_gathered(g)
             if buf.numel() == 0 or self._gathered(g):
                 continue  # gathered already (or on its way)
-            moved = [self.param_names[p] for p, view, stand_in in self.views[g] if not self.holds(p)]
+            moved = [self.gradients.param_names[p] for p, view, stand_in in self.views[g] if not self.holds(p)]
             if moved:  # the gather would replace it with the shard's values
                 raise RuntimeError(f"stage 3: parameters {moved[:3]} of {self.names[g]} were given new storage "
                                    f"(p.data = t, vector_to_parameters) outside its forward, so the gather would lose "
@@ -1720,9 +1701,7 @@ class ShardedParameters:
         units = [[g for g in unit if g not in self.finished and g not in gids] for unit in self._ahead(k, step)]
         # ahead: what a prefetch gathered and nothing has used since (not a group backward reached and still uses)
         ahead = {g for unit in units for g in unit if g in self.ahead or not self._gathered(g)}
-        for g in self.ahead.difference(ahead, gids, self.shared, self._kept()):
-            if self.refcount[g] == 0:  # (in forward: not a module running around this one)
-                self._free(g)
+        self._release(self.ahead.difference(ahead, gids, self.shared, self._kept()))  # (not a module running around)
         self.ahead = ahead
         for unit in units:
             self._gather(unit, prefetch=True)
@@ -1807,8 +1786,7 @@ class ShardedParameters:
         # (a forward under torch.func.functional_call reads other tensors: a later forward checks and learns)
         if not self.order_known and self.reads is None and self.partition.holds_its_parameters(module):
             self.group_of_storage = {b.untyped_storage()._cdata: g for g, b in enumerate(self.buffers) if b.numel()}
-            self.reads = ParameterReads(self._read, self._made)
-            self.reads.__enter__()
+            self.reads = ParameterReads(self._read, self._made).__enter__()
 
     def _stop_reading(self):
         """The first forward's check ends with it, also when it raised (then the next one checks). The nodes _made found
@@ -1857,8 +1835,7 @@ class ShardedParameters:
             elif self.gradients.in_backward and not self._gathered(g):  # (not one backward or its prefetch holds)
                 self.recomputing.add(g)
         self._gather(gids)
-        if not self.warned_autocast:
-            self._warn_autocast()
+        self._warn_autocast()
         if not self.order_known and id(gids) not in self.unit_position:
             self.unit_position[id(gids)] = len(self.unit_order)
             self.unit_order.append(gids)
@@ -1868,7 +1845,7 @@ class ShardedParameters:
     def _warn_autocast(self):
         device = self.partition.flag_device.type  # (the CPU when simulating on meta)
         dtype = torch.get_autocast_dtype(device)
-        if torch.is_autocast_enabled(device) and dtype != self.dtype and \
+        if not self.warned_autocast and torch.is_autocast_enabled(device) and dtype != self.dtype and \
                 (torch.is_grad_enabled() or torch.is_autocast_cache_enabled()):
             self.warned_autocast = True
             warnings.warn(f"stage 3 under torch.autocast: autocast keeps its {dtype} copy of each gathered weight "
@@ -2152,11 +2129,10 @@ class ActivationCheckpointing:
         return kept.copy_(part, non_blocking=True)
 
     def _restore(self, part, shape, device):
-        part = part.to(device, non_blocking=True)
-        if self.tp == 1:
-            return part[:math.prod(shape)].view(shape)
-        full = part.new_empty(self.tp * part.numel())
-        dist.all_gather_single(full, part, group=self.tp_group)  # (tp * n,): each rank sends n
+        full = part = part.to(device, non_blocking=True)
+        if self.tp > 1:
+            full = part.new_empty(self.tp * part.numel())
+            dist.all_gather_single(full, part, group=self.tp_group)  # (tp * n,): each rank sends n
         return full[:math.prod(shape)].view(shape)  # (B, T, C)
 
 
@@ -2241,10 +2217,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     for b in module.buffers() if param_dtype else ():  # (init_fn has filled a meta module's buffers by now)
         if b.is_floating_point():
             b.data = b.data.to(param_dtype)
-    buffers = list(module.buffers())
-    if buffers and partition.nd > 1:
-        for b in buffers:  # rank 0's from the start, as DDP's constructor does
-            dist.broadcast(b, group_src=0, group=group)
+    if partition.nd > 1 and list(module.buffers()):
+        _broadcast_buffers(group, [True], module, ())  # rank 0's from the start, as DDP's constructor does
         module.register_forward_pre_hook(functools.partial(_broadcast_buffers, group, [True]))
     for p in params:  # another model's zero.initialize would take them into its own buffers
         p._zero_laid_out = True
@@ -2901,13 +2875,12 @@ def load_checkpoint(path, model, optimizer):
                       f"but had requires_grad=False at zero.initialize, which keeps no state for them: it is dropped. "
                       f"To keep it, freeze them after zero.initialize")
     opt.optim.state.clear()
-    for key in manifest["state_keys"]:  # a tensor per piece that had it, as the optimizer makes them
-        for piece, w in zip(opt.pieces, opt.weights):
-            if key in _keys_of(manifest, scalars, opt.names[part.params[piece.index]]):
-                opt.optim.state[w][key] = torch.zeros_like(w)
-                _read_piece(opt, reader, key, piece, opt.optim.state[w][key])
     for piece, w in zip(opt.pieces, opt.weights):
-        for key, value in scalars.get(opt.names[part.params[piece.index]], {}).items():
+        name = opt.names[part.params[piece.index]]
+        for key in _keys_of(manifest, scalars, name):  # a tensor per state the piece had, as the optimizer makes them
+            opt.optim.state[w][key] = torch.zeros_like(w)
+            _read_piece(opt, reader, key, piece, opt.optim.state[w][key])
+        for key, value in scalars.get(name, {}).items():
             opt.optim.state[w][key] = value.clone() if torch.is_tensor(value) else value
     for group, saved in zip(opt.param_groups, manifest["param_groups"]):
         group.update({k: _as_held(group.get(k), v) for k, v in saved.items() if k != "params"})
@@ -2980,8 +2953,7 @@ def consolidate(path, out=None):
         groups.append({**{k: _as_held(None, v) for k, v in saved.items() if k != "params"},
                        "params": list(range(index, index + len(saved["params"])))})
         for name in saved["params"]:
-            entry = {k: reader.param(name, k) for k in _keys_of(manifest, scalars, name)}
-            entry.update(scalars.get(name, {}))
+            entry = {**{k: reader.param(name, k) for k in _keys_of(manifest, scalars, name)}, **scalars.get(name, {})}
             if entry:
                 state[index] = entry
             index += 1
