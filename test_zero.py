@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import io
 import itertools
 import math
 import re
@@ -1115,6 +1116,9 @@ def on_rank_state_dict_around_zero(stage):
                                                                  lr=1e-2)[0].to(memory_format=torch.channels_last)),
                        ("a submodule again", lambda: zero.initialize(model.fc1, torch.optim.AdamW, stage=stage)),
                        ("deepcopy", lambda: copy.deepcopy(model)),
+                       ("torch.save", lambda: torch.save(model, io.BytesIO())),
+                       ("torch.save of a submodule", lambda: torch.save(model.fc1, io.BytesIO())),
+                       ("torch.save of the optimizer", lambda: torch.save(opt, io.BytesIO())),
                        ("a submodule's AveragedModel", lambda: torch.optim.swa_utils.AveragedModel(model.fc1)),
                        ("optimizer.state_dict", lambda: opt.state_dict()),
                        ("optimizer.load_state_dict", lambda: opt.load_state_dict({})),
@@ -1144,6 +1148,8 @@ def test_module_state_dict_load_state_dict_and_conversions_name_the_fix(world, s
         assert "before zero.initialize" in errors["share_memory"] and "before" in errors["channels_last"], errors
         assert "already sharded by zero.initialize" in errors["a submodule again"], errors
         assert "copy the module before zero.initialize" in errors["deepcopy"], errors
+        assert "zero.full_state_dict(model)" in errors["torch.save"] == errors["torch.save of a submodule"], errors
+        assert "zero.save_checkpoint" in errors["torch.save of the optimizer"], errors
         assert "copy the module before zero.initialize" in errors["a submodule's AveragedModel"], errors
         assert "zero.save_checkpoint" in errors["optimizer.state_dict"], errors
         assert "zero.load_checkpoint" in errors["optimizer.load_state_dict"], errors

@@ -985,6 +985,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         raise RuntimeError("the optimizer's state is zero's (sharded over the ranks from stage 1 on): save it with "
                            "zero.save_checkpoint(path, model, optimizer)")
 
+    def __reduce_ex__(self, protocol):  # torch.save(optimizer), pickle, copy
+        self.state_dict()
+
     def load_state_dict(self, state_dict):
         raise RuntimeError("the optimizer's state is zero's (sharded over the ranks from stage 1 on): restore it "
                            "with zero.load_checkpoint(path, model, optimizer)")
@@ -2226,6 +2229,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         m.register_load_state_dict_pre_hook(_refuse_load_state_dict)
         m._apply = functools.partial(_refuse_conversion, m)  # .to(), .half(), .cuda()
         m.__deepcopy__ = _refuse_deepcopy  # (copy.deepcopy looks it up on the instance)
+        m.__reduce_ex__ = _refuse_pickling  # torch.save(model), pickle, copy.copy (they too look on the instance)
     module.zero_grad = optimizer.zero_grad  # the gradients are zero's buffers, not p.grad
     module._zero = optimizer
     return module, optimizer
@@ -2305,6 +2309,12 @@ def _refuse_deepcopy(memo):
     """copy.deepcopy(module): the copy's hooks would gather and wait for the original's parameters."""
     raise RuntimeError("this module is sharded by zero.initialize, and a deep copy carries its hooks: copy the module "
                        "before zero.initialize (an EMA, AveragedModel), then update it from zero.full_state_dict")
+
+
+def _refuse_pickling(protocol):
+    raise RuntimeError("this module is sharded by zero.initialize, and pickling it (torch.save(model)) would save "
+                       "zero's hooks and buffers with it: save zero.full_state_dict(model) (torch.save of the whole "
+                       "weights, a collective) or zero.save_checkpoint(path, model, optimizer)")
 
 
 def _refuse_load_state_dict(*args):
