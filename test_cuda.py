@@ -77,7 +77,7 @@ def on_rank_exact_reduction(numel):
     device = torch.device("cuda", torch.cuda.current_device())
     nd, rank = dist.get_world_size(), dist.get_rank()
     param = torch.nn.Parameter(torch.empty(numel, device=device))
-    part = zero.FlatPartition([param], [([param], True)], None, numel, "exact", device)
+    part = zero.FlatPartition([param], [([param], True)], None, numel, "exact", device, {param: "w"})
     chunk = part.buckets[0].chunk
     g = torch.Generator(device=device).manual_seed(rank)
     bucket = torch.randn(chunk * nd, device=device, generator=g)

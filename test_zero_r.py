@@ -652,7 +652,8 @@ def test_exact_sum_of_a_bucket_is_a_pairwise_tree_of_log2_nd_adds(nd):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=nd)
     try:
         param = nn.Parameter(torch.empty(nd * 24))
-        part = zero.FlatPartition([param], [([param], True)], None, nd * 24, "exact", torch.device("cpu"))
+        part = zero.FlatPartition([param], [([param], True)], None, nd * 24, "exact", torch.device("cpu"),
+                                   {param: "w"})
         chunk = part.buckets[0].chunk
         pending = part.reduce_scatter(torch.zeros(chunk * nd), 0)
         rows = torch.randn(nd, chunk, generator=torch.Generator().manual_seed(nd))

@@ -230,9 +230,10 @@ class Bucket:
 
 
 class FlatPartition:
-    def __init__(self, params, runs, group, bucket_numel, reduction, device, check_timeout=60):
-        """params: trainable ones first (their index order); runs: [(parameters, trainable)] in flat order."""
-        self.group, self.reduction, self.device = group, reduction, device
+    def __init__(self, params, runs, group, bucket_numel, reduction, device, names, check_timeout=60):
+        """params: trainable ones first (their index order); runs: [(parameters, trainable)] in flat order;
+        names: {parameter: its name in the module} (a tied weight: its first), for messages and checkpoints."""
+        self.group, self.reduction, self.device, self.names = group, reduction, device, names
         self.check_group = check_group(group)
         self.check_timeout = check_timeout if isinstance(check_timeout, datetime.timedelta) else \
             datetime.timedelta(seconds=check_timeout)
@@ -459,7 +460,6 @@ def check_group(group=None):
 class MetaInit:
     def __init__(self, module, partition, init_fn):
         self.partition, self.init_fn, device = partition, init_fn, partition.device
-        self.names = {p: name for name, p in module.named_parameters()}
         self.module_names = {m: name or "the root module" for name, m in module.named_modules()}  # (for errors)
         self.sums = []  # per bucket, its values' bits summed as integers (int64, wrapping; see check_ranks_agree)
         self.owner = {}  # parameter -> the first module that holds it (a tied weight has one owner)
@@ -544,7 +544,7 @@ class MetaInit:
         part = self.partition
         differ = _differing(part.group, part.flag_device, dict(enumerate(self.sums)))  # {bucket: its sum}
         if differ:
-            names = list(dict.fromkeys(self.names[part.params[i]] for i, lo, hi in part.buckets[differ[0]].segments))
+            names = list(dict.fromkeys(part.names[part.params[i]] for i, lo, hi in part.buckets[differ[0]].segments))
             raise ValueError(f"init_fn gave the ranks different values (first in {names[:3]}): it must compute the "
                              f"same values on every rank: seed each parameter by its name, as gpt.py does, or call "
                              f"torch.manual_seed with one seed on every rank before zero.initialize")
@@ -658,7 +658,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  "params": [w for w, p in zip(self.weights, self.pieces) if p.index in members]})
         self.optim = optimizer_class(piece_groups, **optimizer_kwargs)
         self.group_members = [list(g["params"]) for g in groups]  # the user's groups, for checkpoints
-        self.names = {p: n for n, p in module.named_parameters()}  # a tied weight: its first name
+        self.names = partition.names
         self.optim.state = _PieceStates(self.names, self.optim.state)
         self.param_groups, self.defaults, self.state = self.optim.param_groups, self.optim.defaults, self.optim.state
         self.module = weakref.ref(module)  # (which holds this optimizer: no cycle)
@@ -1049,10 +1049,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 # (4Ψ in fp32, the buckets views into it); stages 2-3 only the reduced chunks (4Ψ/Nd), each bucket living until it
 # is reduced. Each micro-batch's backward is reduced on its own and added to the sum so far.
 class GradientBuckets:
-    def __init__(self, partition, precision, keep_full, replicate, on_grad, on_backward_end, name, param_names):
+    def __init__(self, partition, precision, keep_full, replicate, on_grad, on_backward_end, name):
         """keep_full: stages 0-1; replicate: stage 0 (see finish). on_grad, on_backward_end: the parameters' hooks."""
         self.partition, self.precision, self.replicate, self.name = partition, precision, replicate, name
-        self.param_names = param_names  # {parameter: its name}, for errors
         self.reached = None  # find_unused_parameters: the parameters the graph of forward reaches (see walk_graph)
         self.on_grad, self.on_backward_end = on_grad, on_backward_end
         self.n_trainable = sum(p.requires_grad for p in partition.params)
@@ -1188,18 +1187,18 @@ class GradientBuckets:
         self.begin()
         part, i = self.partition, self.partition.index[p]
         if i in self.skipped:  # (find_unused_parameters: its bucket may be reduced already)
-            raise RuntimeError(f"parameter {self.param_names[p]} got a gradient though the graph of the forward "
+            raise RuntimeError(f"parameter {self.partition.names[p]} got a gradient though the graph of the forward "
                                f"output did not reach it, so find_unused_parameters=True took it as unused: it is "
                                f"read outside the forward (a loss reading model.head.weight): return what the loss "
                                f"needs from the forward")
         if self.used[i]:  # its bucket may be reduced already: the second part would be lost
-            raise RuntimeError(f"parameter {self.param_names[p]} got a gradient twice in one backward: a "
+            raise RuntimeError(f"parameter {self.partition.names[p]} got a gradient twice in one backward: a "
                                f"module called more than once inside torch.utils.checkpoint(use_reentrant=True) (or "
                                f"used inside and outside it); use use_reentrant=False (or "
                                f"zero.checkpoint_activations). "
                                f"Or an earlier backward raised and was not ended: call optimizer.zero_grad() after it")
         if p.grad.layout != torch.strided:
-            raise RuntimeError(f"parameter {self.param_names[p]} got a sparse gradient (nn.Embedding with "
+            raise RuntimeError(f"parameter {self.partition.names[p]} got a sparse gradient (nn.Embedding with "
                                f"sparse=True): ZeRO's buckets are dense; build the layer with sparse=False")
         self.used[i] = True
         grad, a = p.grad.view(-1), part.offsets[i]
@@ -1337,7 +1336,6 @@ class FlatParameters:
         self.flat = torch.zeros(partition.padded_numel, dtype=dtype, device=partition.device)
         self.in_flight = []  # (bucket, work) of the all-gathers step() left in flight, in flat order
         self.issued_at = None  # each parameter's version when they were issued (see wait)
-        self.names = {p: n for n, p in module.named_parameters()}
         self.reads, self.read_ends = None, {}  # in the first forward: how far each module's code read
         self.ends = None  # then: each module's wait point
         if gather_after_step:
@@ -1444,7 +1442,7 @@ class FlatParameters:
             k, work = self.in_flight[0]
             self.partition.wait(work)
             self.in_flight.pop(0)  # (not before: one that failed raises again at the next wait)
-            written = [self.names[self.partition.params[i]] for i, lo, hi in self.partition.buckets[k].segments
+            written = [self.partition.names[self.partition.params[i]] for i, lo, hi in self.partition.buckets[k].segments
                        if self.partition.params[i]._version != self.issued_at[i]]
             if written:
                 raise RuntimeError(f"rank {self.partition.rank}: {written[:3]} were written in place while step()'s "
@@ -1630,7 +1628,7 @@ class ShardedParameters:
                 self._wait_gathered(g)
             if buf.numel() == 0 or self._gathered(g):
                 continue  # gathered already (or on its way)
-            moved = [self.gradients.param_names[p] for p, view, stand_in in self.views[g] if not self.holds(p)]
+            moved = [self.partition.names[p] for p, view, stand_in in self.views[g] if not self.holds(p)]
             if moved:  # the gather would replace it with the shard's values
                 raise RuntimeError(f"stage 3: parameters {moved[:3]} of {self.names[g]} were given new storage "
                                    f"(p.data = t, vector_to_parameters) outside its forward, so the gather would lose "
@@ -2199,7 +2197,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         "parameters (names, shapes, dtypes, requires_grad)": [
             (name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters()]})
     partition = FlatPartition(params, [(run, t) for run, t in runs if run], group, bucket_numel, reduction, device,
-                              check_timeout)
+                              names, check_timeout)
     meta = MetaInit(module, partition, init_fn) if params[0].is_meta else None
     start = meta.values if meta else partition.rank0_values
     if stage < 3:
@@ -2208,7 +2206,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         parameters = ShardedParameters(partition, module, groups, hooks, shared, precision.param_dtype, prefetch)
     gradients = GradientBuckets(partition, precision, keep_full=stage < 2, replicate=stage == 0,
                                 on_grad=parameters.on_grad, on_backward_end=parameters.on_backward_end,
-                                name=type(module).__name__, param_names=names)
+                                name=type(module).__name__)
     if stage == 3:
         parameters.gradients = gradients
     if find_unused_parameters:
