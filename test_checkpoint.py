@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -298,6 +299,58 @@ def test_a_modules_extra_state_is_saved_loaded_and_consolidated(world, tmp_path,
     torch.nn.Sequential(counting, counting, torch.nn.Linear(4, 4)).load_state_dict(state, strict=False)
     assert state["1._extra_state"] == {"calls": 6} and torch.equal(state["2._extra_state"], rank0)
     assert sorted(state) == sorted(f"{i}.{k}" for i in range(3) for k in ("weight", "bias", "_extra_state"))
+
+
+def on_rank_save_with_extra(path):
+    model, opt = zero.initialize(counting_model(), torch.optim.SGD, stage=1, lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    zero.save_checkpoint(path, model, opt, data=torch.arange(1000.0))
+
+
+def on_rank_load_then_delete(path):
+    """Loads, then deletes the checkpoint as a rotation would: the extra state set, the extra returned, and the
+    lines of /proc/self/maps that still map one of its files."""
+    model, opt = zero.initialize(counting_model(), torch.optim.SGD, stage=1, lr=0.1)
+    extra = zero.load_checkpoint(path, model, opt)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path)
+    dist.barrier()
+    with open("/proc/self/maps") as maps:
+        mapped = [line.strip() for line in maps if str(path) in line]
+    return model[2].scale, extra["data"], mapped
+
+
+@pytest.mark.xdist_group("world2")
+def test_a_checkpoint_saved_on_a_gpu_loads_on_a_cpu_and_holds_no_file_open(world, tmp_path):
+    """The rank files' small parts (buffers, extra states, the extra) were torch.load'ed where they were saved: a
+    checkpoint saved on a GPU could neither load nor consolidate on a machine without one, and every rank would have
+    put rank 0's buffers on rank 0's GPU. They come to CPU memory now. (Simulated: the files rewritten as torch.save
+    tags tensors on cuda:0.) What a load gives back was memory-mapped from those files, so deleting an old
+    checkpoint kept its rank file's pages mapped while the extra lived; now they are read whole."""
+    path = tmp_path / "ckpt"
+    world(2).run(on_rank_save_with_extra, str(path))
+    manifest, tag = json.loads((path / "manifest.json").read_text()), torch.serialization.location_tag
+    for name in ["rank0.rest.pt", "rank1.rest.pt", "scalars.pt"]:
+        small = torch.load(path / name, weights_only=True)
+        torch.serialization.location_tag = lambda storage: "cuda:0"  # as torch.save tags a tensor on cuda:0
+        try:
+            torch.save(small, path / name)
+        finally:
+            torch.serialization.location_tag = tag
+        with open(path / name, "rb") as f:
+            manifest["files"][name] = [os.path.getsize(f.name), hashlib.file_digest(f, "sha256").hexdigest()]
+    manifest["sha256"] = zero._manifest_digest(manifest)  # sealed again, as a save writing those files would
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RuntimeError, match="CUDA"):  # (what the files hold now, read as torch.load reads them)
+        torch.load(path / "rank0.rest.pt", weights_only=True)
+    consolidated = zero.consolidate(path)["model"]
+    assert torch.equal(consolidated["2._extra_state"], torch.full((1,), 2.0, dtype=torch.float16))
+    for rank, (scale, data, mapped) in enumerate(world(2).run(on_rank_load_then_delete, str(path))):
+        print(f"rank {rank}: extra state {scale}, extra {data.device} {data.numel()}, still mapped: {mapped}")
+        assert torch.equal(scale, torch.full((1,), 2.0, dtype=torch.float16))  # (rank 0's, as saved)
+        assert torch.equal(data, torch.arange(1000.0)) and mapped == [], mapped
 
 
 def on_rank_load_into_counting_model(path, stage):

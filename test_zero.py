@@ -234,7 +234,8 @@ def on_rank_native_against_exact(stage):
             grads = torch.zeros(opt.own_numel)  # (a frozen parameter's and the padding's: zeros)
             for piece in opt.pieces:
                 grads[piece.own] = opt._grad(piece.own)
-        flat, part = opt._to_flat(grads), opt.partition  # the whole averaged gradient, flat layout
+        part = opt.partition  # the whole averaged gradient, flat layout:
+        flat = part.to_flat(lambda k: grads[opt.own_chunk(k)], grads.dtype)
         names = {p: n for n, p in model.named_parameters()}
         out[reduction] = ({names[p]: flat[a:a + p.numel()].view(p.shape) for p, a in zip(part.params, part.offsets)
                            if p.requires_grad}, zero.model_state_bytes(model), sum(counter.sent.values()),

@@ -539,10 +539,11 @@ def on_rank_export_buffers(stage, bucket_numel):
     persistent = {t.untyped_storage()._cdata for t in opt.parameters.storages()}
     written, real = [], dist.all_gather_single
 
-    def recorded(out, *args, **kwargs):  # the storage behind each buffer an all-gather writes into
-        if out.untyped_storage()._cdata not in persistent:
-            written.append(out.untyped_storage().nbytes() // out.element_size())
-        return real(out, *args, **kwargs)
+    def recorded(out, mine, *args, **kwargs):  # the storages behind each buffer an all-gather writes and sends
+        for t in (out, mine):
+            if t.untyped_storage()._cdata not in persistent:
+                written.append(t.untyped_storage().nbytes() // t.element_size())
+        return real(out, mine, *args, **kwargs)
 
     dist.all_gather_single = recorded
     try:
@@ -553,13 +554,14 @@ def on_rank_export_buffers(stage, bucket_numel):
 
 
 @pytest.mark.xdist_group("world2")
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_full_state_gathers_through_one_bucket(world, stage):
     """full_state_dict and full_optimizer_state gather the whole model into CPU memory a bucket
-    at a time: no buffer an all-gather writes into (the parameters' own storage aside) is larger
-    than a bucket, for a model of more than 30 buckets."""
+    at a time: no buffer an all-gather writes into or sends from (the parameters' own storage
+    aside) is larger than a bucket, for a model of more than 30 buckets. (full_optimizer_state
+    sent each state from a copy of this rank's whole own space: Ψ/Nd, at stage 0 Ψ.)"""
     written, psi = world(2).run(on_rank_export_buffers, stage, 1000)[0]
-    print(f"stage {stage}: {len(written)} all-gathers, the largest into {max(written)} elements, Ψ = {psi}")
+    print(f"stage {stage}: {len(written)} buffers handed to all-gathers, the largest {max(written)} elements, Ψ = {psi}")
     assert psi > 30 * 1000 and written and max(written) <= 1000, (max(written), psi)
 
 

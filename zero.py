@@ -409,14 +409,14 @@ class FlatPartition:
         if self.failed is not None:
             raise RuntimeError(self.failed)
 
-    def to_flat(self, own):
-        """(padded_numel,) in CPU memory from every rank's (shard_numel,): an all-gather per bucket
-        through one bucket-sized buffer, so the device holds one bucket more at any model size."""
-        full = torch.empty(self.padded_numel, dtype=own.dtype)
-        buffer = own.new_empty(max(b.chunk for b in self.buckets) * self.nd)
+    def to_flat(self, chunk_of, dtype):
+        """(padded_numel,) in CPU memory from every rank's chunk_of(k) (chunk,), made a bucket at a time: an all-gather
+        per bucket through one bucket-sized buffer, so the device holds one bucket more at any model size."""
+        full = torch.empty(self.padded_numel, dtype=dtype)
+        buffer = torch.empty(max(b.chunk for b in self.buckets) * self.nd, dtype=dtype, device=self.device)
         for k in range(len(self.buckets)):
             bucket = buffer[:self.buckets[k].chunk * self.nd]
-            self.all_gather(bucket, own[self.own(k)], async_op=False)
+            self.all_gather(bucket, chunk_of(k), async_op=False)
             full[self.flat_range(k)] = bucket
         return full
 
@@ -996,9 +996,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Stages 1-2: wait for the all-gather step() left in flight (other stages: nothing to wait for)."""
         self.parameters.wait()
 
-    # Full tensors, in CPU memory, for export and tests (gathered; not on the training path).
-    def _to_flat(self, own):
-        return own.cpu() if self.gradients.replicate else self.partition.to_flat(own)  # (stage 0: own is flat)
+    # Full tensors, in CPU memory, for export (gathered; not on the training path).
+    def _to_flat(self, key):
+        """The weights ("weights") or optimizer state `key`, whole: every rank's chunks, a bucket at a time."""
+        return self.partition.to_flat(lambda k: self._saved_chunk(key, k), self.weights_dtype)
 
     # For checkpoints: this rank's shard, read and written through its own space.
     def _all_states(self):
@@ -1020,9 +1021,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         keys_of = {n: v for _, ks in everyone for n, v in ks.items()}
         return sorted(set().union(*keys_of.values())), scalars, keys_of
 
-    def _own_state(self, key, s=None):
-        """Optimizer state `key` over slice s of the own space (default: all), zeros where no piece has it."""
-        s = slice(0, self.own_numel) if s is None else s
+    def _own_state(self, key, s):
+        """Optimizer state `key` over slice s of the own space, zeros where no piece has it."""
         own = torch.zeros(s.stop - s.start, dtype=self.weights_dtype, device=self.partition.device)
         i = max(bisect.bisect_right(self.pieces, s.start, key=lambda piece: piece.own.start) - 1, 0)
         while i < len(self.pieces) and self.pieces[i].own.start < s.stop:
@@ -1033,10 +1033,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             i += 1
         return own
 
+    def own_chunk(self, k):
+        """Where this rank's chunk of bucket k lies in its own space (stage 0: own space is the flat space)."""
+        return self.partition.chunk(k) if self.gradients.replicate else self.partition.own(k)
+
     def _saved_chunk(self, key, k):
         """This rank's chunk of bucket k of the weights (fp32 master, else parameters) or of state `key`."""
-        part = self.partition
-        own = part.chunk(k) if self.gradients.replicate else part.own(k)  # stage 0: own = flat
+        part, own = self.partition, self.own_chunk(k)
         if key != "weights":
             return self._own_state(key, own)
         return self.master[own] if self.master is not None else self.parameters.owned(part.chunk(k), own)
@@ -1449,9 +1452,6 @@ class FlatParameters:
                                    f"all-gather of the updated parameters was in flight, which overwrote part of it: "
                                    f"call optimizer.wait_params() after step() and before writing into parameters")
 
-    def full(self):
-        return self.flat
-
     def storages(self):
         return [self.flat]
 
@@ -1586,9 +1586,6 @@ class ShardedParameters:
 
     def wait(self):
         pass
-
-    def full(self):
-        return self.partition.to_flat(self.shard)
 
     def storages(self):
         return [self.shard] + self.buffers + [stand_in for views in self.views for p, view, stand_in in views]
@@ -2555,7 +2552,8 @@ def full_state_dict(module):
     A collective. Gathered a bucket at a time: the device holds one bucket more."""
     opt, module = _engine(module)
     _all_ranks_call(opt, "full_state_dict", opt._settle)
-    flat = opt._to_flat(opt.master) if opt.master is not None else opt.parameters.full()
+    # the weights whole: stages 0-2's flat buffer as it is, else the fp32 master or stage 3's shard, gathered
+    flat = opt._to_flat("weights") if opt.master is not None or opt.parameters.in_own_space else opt.parameters.flat
     part, state = opt.partition, {}
     for name, t in module.state_dict(keep_vars=True).items():
         if _is_extra(name):  # a module's get_extra_state(), whatever it is: rank 0's
@@ -2584,7 +2582,7 @@ def full_optimizer_state(module):
     result = {name: {key: v.cpu() if torch.is_tensor(v) else v for key, v in scalars[name].items()}
               for name in params}
     for key in keys:  # one gather per elementwise state
-        full = opt._to_flat(opt._own_state(key))
+        full = opt._to_flat(key)
         for name, p in params.items():
             if key in keys_of[name]:  # (a group with amsgrad=False has no max_exp_avg_sq)
                 a = opt.partition.offsets[opt.partition.index[p]]
@@ -2888,8 +2886,10 @@ def load_checkpoint(path, model, optimizer):
         for key in _keys_of(manifest, scalars, name):  # a tensor per state the piece had, as the optimizer makes them
             opt.optim.state[w][key] = torch.zeros_like(w)
             _read_piece(opt, reader, key, piece, opt.optim.state[w][key])
-        for key, value in scalars.get(name, {}).items():
-            opt.optim.state[w][key] = value.clone() if torch.is_tensor(value) else value
+        for key, value in scalars.get(name, {}).items():  # placed as torch.optim's load_state_dict places them:
+            if torch.is_tensor(value):  # step in CPU memory, other tensors on the weights' device
+                value = value.clone() if key == "step" else value.to(w.device, copy=True)
+            opt.optim.state[w][key] = value
     for group, saved in zip(opt.param_groups, manifest["param_groups"]):
         group.update({k: _as_held(group.get(k), v) for k, v in saved.items() if k != "params"})
     # a dynamic scale goes on where one was saved; a static one is the number passed
@@ -2986,8 +2986,15 @@ class CheckpointReader:
                 dtype = getattr(torch, self.manifest["dtype"])
                 size = (self.path / name).stat().st_size // dtype.itemsize
                 self.files[name] = torch.from_file(str(self.path / name), shared=False, size=size, dtype=dtype)
-            else:
-                self.files[name] = torch.load(self.path / name, mmap=True, weights_only=True)
+            else:  # format 2's shards, torch.save'd tensors: mapped, each in CPU memory wherever it was saved
+                self.files[name] = torch.load(self.path / name, mmap=True, weights_only=True, map_location="cpu")
+        return self.files[name]
+
+    def _small(self, name):
+        """A small pickled file read whole, its tensors in CPU memory (saved on a GPU, it loads on a machine without
+        one, and no rank's load puts rank 0's buffers on rank 0's GPU); nothing it gives back keeps the file open."""
+        if name not in self.files:
+            self.files[name] = torch.load(self.path / name, weights_only=True, map_location="cpu")
         return self.files[name]
 
     def read(self, key, x, n, out):
@@ -3008,10 +3015,10 @@ class CheckpointReader:
         return out.view(p["shape"])
 
     def rest(self, rank):
-        return self._file(f"rank{rank}.rest.pt")
+        return self._small(f"rank{rank}.rest.pt")
 
     def scalars(self):
-        return self._file("scalars.pt")
+        return self._small("scalars.pt")
 
 
 def _read_manifest(path):
