@@ -657,11 +657,11 @@ BROKEN = {
     "missing rank file": ({"stage": 3}, "missing"), "missing manifest": ({"stage": 3}, "not a checkpoint"),
     "damaged manifest": ({"stage": 3}, "manifest.json cannot be read"),
     "edited manifest": ({"stage": 3}, "manifest.json was changed or damaged"),
-    "another format": ({"stage": 3}, "has format 99; this zero.py reads formats 2 and 3"),
+    "another format": ({"stage": 3}, "has format 99; this zero.py reads formats 2 and 3: load it with"),
     "another model": ({"stage": 3, "config": GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=4,
                                                         n_embd=32)}, "another model: h.2.ln_1.weight"),
     "another dtype": ({"stage": 3, "param_dtype": torch.bfloat16}, "another dtype"),
-    "another optimizer": ({"stage": 3, "optimizer": torch.optim.Adam}, "another optimizer: AdamW saved, Adam here"),
+    "another optimizer": ({"stage": 3, "optimizer": torch.optim.Adam}, "another optimizer: AdamW saved, Adam here: pass"),
     "other param_groups": ({"stage": 3, "groups_swapped": True}, "other param_groups"),
     "unreadable rest file": ({"stage": 3}, "rank1.rest.pt, rank0.rest.pt or scalars.pt cannot be read"),
 }
@@ -1261,11 +1261,12 @@ def test_a_load_that_drops_a_frozen_parameters_state_says_so(world, tmp_path, st
 class Tied(torch.nn.Module):
     """An embedding and an output layer sharing one weight, the tie made from either side."""
 
-    def __init__(self, emb_first):
+    def __init__(self, emb_first, tied=True):
         super().__init__()
         if emb_first:
             self.emb, self.head = torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False)
-            self.head.weight = self.emb.weight
+            if tied:
+                self.head.weight = self.emb.weight
         else:
             self.head, self.emb = torch.nn.Linear(4, 5, bias=False), torch.nn.Embedding(5, 4)
             self.emb.weight = self.head.weight
@@ -1278,6 +1279,29 @@ def on_rank_load_a_tie_made_the_other_way(path):
         zero.load_checkpoint(path, model, opt)
     except zero.CheckpointError as e:
         return str(e)
+
+
+def on_rank_load_across_a_tie(path, saved_tied):
+    zero.save_checkpoint(path, *zero.initialize(Tied(True, saved_tied), torch.optim.SGD, stage=1, lr=0.1))
+    model, opt = zero.initialize(Tied(True, not saved_tied), torch.optim.SGD, stage=1, lr=0.1)
+    try:
+        zero.load_checkpoint(path, model, opt)
+    except zero.CheckpointError as e:
+        return str(e)
+
+
+@pytest.mark.xdist_group("world1")
+@pytest.mark.parametrize("saved_tied", [True, False], ids=["saved-tied", "saved-untied"])
+def test_a_tie_the_checkpoint_does_not_have_is_named(world, tmp_path, saved_tied):
+    """Saved tied and loaded untied, the load said the param_groups differed ("build the groups as they were
+    saved", which they were); saved untied and loaded tied, that the weight was "tied the other way" (it was not
+    tied at all) and to register its module first."""
+    error, = world(1).run(on_rank_load_across_a_tie, str(tmp_path / "ckpt"), saved_tied)
+    print(error)
+    where = "in the checkpoint, a weight of its own here" if saved_tied else \
+        "here, a weight of its own in the checkpoint"
+    assert error and f"another model: head.weight is tied to emb.weight {where}" in error, error
+    assert "other way" not in error, error
 
 
 @pytest.mark.xdist_group("world1")

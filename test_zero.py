@@ -3331,7 +3331,8 @@ def on_rank_bad_inputs():
             _with_root_param(torch.complex64), torch.optim.AdamW, stage=1),
         "param_groups must hold only this module's parameters, each at most once": lambda: (lambda m: zero.initialize(
             m, torch.optim.AdamW, stage=1, param_groups=[{"params": [m.weight, m.weight, m.bias]}]))(nn.Linear(2, 2)),
-        "this module was not returned by zero.initialize": lambda: zero.full_state_dict(nn.Linear(2, 2)),
+        "this module was not returned by zero.initialize: pass the model it returned": lambda: zero.full_state_dict(
+            nn.Linear(2, 2)),
         "pass all the groups to it as param_groups=": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.AdamW, stage=1)[1].add_param_group({"params": [torch.zeros(2)]}),
         "with fp16 loss scaling, call optimizer.backward\\(loss\\) instead of loss.backward\\(\\)":

@@ -1442,13 +1442,13 @@ class FlatParameters:
     def wait(self, end=math.inf):
         """Wait for step()'s all-gathers of flat elements [0, end); raise where one overwrote a write made since."""
         while self.in_flight and self.partition.buckets[self.in_flight[0][0]].start < end:
-            k, work = self.in_flight[0]
-            self.partition.wait(work)
+            (k, work), part = self.in_flight[0], self.partition
+            part.wait(work)
             self.in_flight.pop(0)  # (not before: one that failed raises again at the next wait)
-            written = [self.partition.names[self.partition.params[i]] for i, lo, hi in self.partition.buckets[k].segments
-                       if self.partition.params[i]._version != self.issued_at[i]]
+            written = [part.names[part.params[i]] for i, lo, hi in part.buckets[k].segments
+                       if part.params[i]._version != self.issued_at[i]]
             if written:
-                raise RuntimeError(f"rank {self.partition.rank}: {written[:3]} were written in place while step()'s "
+                raise RuntimeError(f"rank {part.rank}: {written[:3]} were written in place while step()'s "
                                    f"all-gather of the updated parameters was in flight, which overwrote part of it: "
                                    f"call optimizer.wait_params() after step() and before writing into parameters")
 
@@ -2528,7 +2528,8 @@ def _engine(module, optimizer=None):
     """The ZeroOptimizer zero.initialize returned with `module` (checking `optimizer` is it), and that module: `module`
     itself, or the one inside a wrapper made after (torch.compile's)."""
     if not isinstance(getattr(module, "_zero", None), ZeroOptimizer):
-        raise ValueError("this module was not returned by zero.initialize")
+        raise ValueError("this module was not returned by zero.initialize: pass the model it returned (model, "
+                         "optimizer = zero.initialize(...)), not a module inside it or a wrapper made around it")
     if optimizer is not None and optimizer is not module._zero:
         raise ValueError("the optimizer given is not the one zero.initialize returned with this model, whose state "
                          "the checkpoint holds: pass the pair it returned (model, optimizer = zero.initialize(...))")
@@ -2773,17 +2774,22 @@ def _mismatch(opt, model, manifest):
     """Why this model and optimizer cannot take the checkpoint (empty: they can)."""
     saved = {p["name"]: p["shape"] for p in manifest["params"]}
     live = {n: list(p.shape) for n, p in model.named_parameters()}
+    # a tied weight's second name -> its first, here and saved
     tied = {n: opt.names[p] for n, p in model.named_parameters(remove_duplicate=False) if n != opt.names[p]}
+    saved_tied = {a: p["name"] for p in manifest["params"] for a in p.get("aliases", [])}
     problems = []
     for n, s in saved.items():
-        if n in tied:  # saved under this name first, here the second name of a tied weight
+        if n in tied and saved_tied.get(tied[n]) == n:  # saved under this name first, here the second name
             problems.append(f"a weight tied the other way: {n} is saved first, here a second name of {tied[n]}: "
                             f"register {n}'s module first, as when saved")
+        elif n in tied:
+            problems.append(f"another model: {n} is tied to {tied[n]} here, a weight of its own in the checkpoint")
         elif live.get(n) != s:
             here = "not in this model" if n not in live else f"{live[n]} here, {s} saved"
             problems.append(f"another model: {n} is {here}")
-    aliases = {a for p in manifest["params"] for a in p.get("aliases", [])}
-    problems += [f"another model: {n} is not in the checkpoint" for n in live if n not in saved and n not in aliases]
+    problems += [f"another model: {n} is tied to {saved_tied[n]} in the checkpoint, a weight of its own here"
+                 for n in live if n in saved_tied and tied.get(saved_tied[n]) != n]  # (not tied the other way)
+    problems += [f"another model: {n} is not in the checkpoint" for n in live if n not in saved and n not in saved_tied]
     saved = (manifest["dtype"], manifest["param_dtype"])
     live = tuple(str(t).removeprefix("torch.") for t in (opt.weights_dtype, opt.precision.param_dtype))
     if saved != live:
@@ -2795,7 +2801,8 @@ def _mismatch(opt, model, manifest):
         problems.append(f"another tensor-parallel slice: saved by tp rank {saved[0]} of {saved[1]}, this is tp rank "
                         f"{live[0]} of {live[1]}: load the checkpoint this tp rank saved")
     if manifest["optimizer"] != type(opt.optim).__name__:
-        problems.append(f"another optimizer: {manifest['optimizer']} saved, {type(opt.optim).__name__} here")
+        problems.append(f"another optimizer: {manifest['optimizer']} saved, {type(opt.optim).__name__} here: pass "
+                        f"zero.initialize the optimizer class it was saved with")
     saved = [g["params"] for g in manifest["param_groups"]]
     live = [[opt.names[p] for p in members] for members in opt.group_members]
     if saved != live:
@@ -3038,7 +3045,8 @@ def _read_manifest(path):
                               f"earlier one") from None
     version = manifest.get("format") if isinstance(manifest, dict) else None
     if version not in (2, FORMAT):
-        raise CheckpointError(f"{path} has format {version}; this zero.py reads formats 2 and {FORMAT}")
+        raise CheckpointError(f"{path} has format {version}; this zero.py reads formats 2 and {FORMAT}: load it with "
+                              f"the zero.py that saved it")
     if "sha256" in manifest and manifest["sha256"] != _manifest_digest(manifest):  # (saved before it had one: none)
         raise CheckpointError(f"{path}/manifest.json was changed or damaged (its sha256 differs from the one saved "
                               f"in it): load an earlier checkpoint")
