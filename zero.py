@@ -2307,9 +2307,10 @@ def _refuse_deepcopy(memo):
 
 
 def _refuse_pickling(protocol):
-    raise RuntimeError("this module is sharded by zero.initialize, and pickling it (torch.save(model)) would save "
-                       "zero's hooks and buffers with it: save zero.full_state_dict(model) (torch.save of the whole "
-                       "weights, a collective) or zero.save_checkpoint(path, model, optimizer)")
+    raise RuntimeError("this module is sharded by zero.initialize, and pickling or copying it (torch.save(model), "
+                       "copy.copy) would carry zero's hooks and buffers: save zero.full_state_dict(model) (the whole "
+                       "weights, a collective) or zero.save_checkpoint(path, model, optimizer); copy a module before "
+                       "zero.initialize")
 
 
 def _refuse_load_state_dict(*args):
