@@ -139,19 +139,22 @@ def test_a_resumed_loss_scale_grows_under_the_new_settings_and_a_static_one_is_k
     assert static == 64.0 and never == 16.0, (static, never)
 
 
-def on_rank_option_with_int_keys(path):
-    """A param_group option JSON cannot hold as it is (a dict with int keys comes back with str keys):
-    the manifest's own sha256 is of its JSON form, so the checkpoint it belongs to loads."""
+def on_rank_option_json_rewrites(path, option):
+    """A param_group option JSON cannot hold as it is: a dict with int keys came back with str keys, silently; a set
+    or a dtype failed the save with JSON's own error, naming neither the option nor a fix."""
     model, opt = make(1)
-    opt.param_groups[0]["tags"] = {2: "a", 10: "b"}
-    zero.save_checkpoint(path, model, opt)
-    zero.load_checkpoint(path, model, opt)
-    return "loaded"
+    opt.param_groups[0]["tags"] = option
+    with pytest.raises(RuntimeError, match="the checkpoint was not written") as refused:
+        zero.save_checkpoint(path, model, opt)
+    return str(refused.value), os.path.exists(path)
 
 
 @pytest.mark.xdist_group("world1")
-def test_a_checkpoint_whose_options_json_rewrites_loads(world, tmp_path):
-    assert world(1).run(on_rank_option_with_int_keys, str(tmp_path / "ckpt")) == ["loaded"]
+@pytest.mark.parametrize("option", [{2: "a", 10: "b"}, {1, 2}, torch.float16], ids=["int-keys", "set", "dtype"])
+def test_an_option_the_manifest_would_rewrite_is_refused_at_save(world, tmp_path, option):
+    (error, saved), = world(1).run(on_rank_option_json_rewrites, str(tmp_path / "ckpt"), option)
+    print(error)
+    assert f"param_group option tags={option!r} would not load back" in error and not saved, error
 
 
 def on_rank_resume_with_a_parameter_not_yet_stepped(path, stage):

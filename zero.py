@@ -2658,7 +2658,11 @@ def save_checkpoint(path, model, optimizer, **extra):
             torch.save(scalars, partial / "scalars.pt")
             _seal(partial, files, "scalars.pt")
             manifest = _layout(opt, model)
-            json.dumps(manifest)  # an option JSON cannot hold fails here, where every rank learns of it
+            for key, value in ((k, v) for g in manifest["param_groups"] for k, v in g.items()):
+                if json.loads(json.dumps(value, default=repr)) != value:  # here, where every rank learns of it
+                    raise TypeError(f"param_group option {key}={value!r} would not load back from the manifest's "
+                                    f"JSON as it is: hold options as numbers, strings, bools, None, tensors, or "
+                                    f"lists and str-keyed dicts of them")
     except Exception as e:  # every rank learns of it: none may wait for a rank that failed
         error = f"rank {part.rank}: {type(e).__name__}: {e}"
     everyone = [None] * part.nd
