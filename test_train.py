@@ -138,6 +138,7 @@ def test_train_loss_curves_are_identical_for_stages_0_and_3(tmp_path):
     (["--data", os.path.join(HERE, "no_such_file.txt")], "no_such_file.txt is not a file: give a text file"),
     # (FAST: were a flag let through, the run would end in seconds, not after 1000 steps)
     (["--lr", "nan"], "--lr must be above 0, a finite number (got nan)"),
+    (["--seed", str(2**64 // 1000 + 1)], "--seed must be in [0, 2**32) (got 18446744073709552)"),
     (["--grad_clip", "nan", *FAST], "--grad_clip must be 0 (off) or more, a finite number (got nan)"),
     (["--save_every", "-1"], "--save_every must be 0 (a checkpoint at the end only) or more (got -1)"),
     (["--out", os.path.join(HERE, "README.md", "run.json"), *FAST], "README.md, a file: give a path in a directory"),
@@ -157,9 +158,33 @@ def test_train_stops_where_the_loss_diverges_and_keeps_its_log(tmp_path):
                            "--batch_size", "2", "--seq_len", "32", "--data", os.path.join(HERE, "zero.py"),
                            "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=HERE)
     log = json.loads(out.read_text())
-    print(log["diverged"], [row["loss"] for row in log["log"]])
+    print(log["stopped"], [row["loss"] for row in log["log"]])
     assert proc.returncode != 0 and "training diverged; lower --lr (now 1000)" in proc.stderr, proc.stderr[-2000:]
     assert not math.isfinite(log["log"][-1]["loss"]) and len(log["log"]) < 6 and log["sample"] is None
+
+
+def test_a_save_that_fails_stops_the_run_and_keeps_its_log(tmp_path):
+    """A save that fails mid-run (here: the disk full at step 4's) ended the run with zero's traceback and no
+    --out log; it stops like a diverged run now: the log so far written, the error and the fix said."""
+    out, ckpt = tmp_path / "run.json", tmp_path / "ckpt"
+    flags = ["--steps", "6", "--eval_every", "6", "--batch_size", "2", "--seq_len", "32", "--data",
+             os.path.join(HERE, "zero.py"), "--save_dir", str(ckpt), "--save_every", "2", "--out", str(out)]
+    script = ("import runpy, sys, zero\n"
+              "real = zero.save_checkpoint\n"
+              "def full(path, *args, **kwargs):\n"
+              "    if str(path).endswith('step_000004'):\n"
+              "        raise OSError(28, 'No space left on device')\n"
+              "    return real(path, *args, **kwargs)\n"
+              "zero.save_checkpoint = full\n"
+              f"sys.argv = ['train.py', *{flags!r}]\n"
+              "runpy.run_path('train.py', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=HERE)
+    log = json.loads(out.read_text())
+    print(log["stopped"])
+    assert proc.returncode != 0 and "No space left on device" in proc.stderr and "Make room or pass another " \
+        "--save_dir, and continue from the latest complete checkpoint with --resume" in proc.stderr, proc.stderr[-2000:]
+    assert [row["step"] for row in log["log"]] == [0, 1, 2, 3] and log["sample"] is None
+    assert (ckpt / "step_000002" / "manifest.json").is_file()
 
 
 @pytest.mark.slow  # two torchrun launches and five refused resumes: about 2 minutes on 2 cores
@@ -197,10 +222,27 @@ def test_a_resume_takes_the_same_data_file_under_another_spelling(monkeypatch):
     monkeypatch.chdir(HERE)
     saved = dict(run=train.run_flags(train.parse_args(["--data", "zero.py"])))
     for same in ("./zero.py", os.path.join(HERE, "zero.py")):
-        train.refuse_another_run("step_000020", saved, train.parse_args(["--data", same]))
+        train.refuse_another_run("step_000020", saved, train.parse_args(["--data", same]), 1)
     with pytest.raises(SystemExit, match=r"belongs to a run with --data .*zero.py \(now .*gpt.py\)"):
-        train.refuse_another_run("step_000020", saved, train.parse_args(["--data", "gpt.py"]))
-    train.refuse_another_run("step_000020", dict(run=dict(data="zero.py")), train.parse_args(["--data", "./zero.py"]))
+        train.refuse_another_run("step_000020", saved, train.parse_args(["--data", "gpt.py"]), 1)
+    train.refuse_another_run("step_000020", dict(run=dict(data="zero.py")), train.parse_args(["--data", "./zero.py"]),
+                             1)
+
+
+def test_a_resume_at_another_dp_keeps_the_sequences_a_step():
+    """--batch_size is per dp rank, so a resume at another dp with the same flags changed the batch under the
+    learning-rate schedule, silently, and the flags that would keep it were refused as another run's. Now they
+    may change where the product with dp stays; a resume that changes it is refused, naming what keeps it."""
+    saved = dict(dp=2, run=train.run_flags(train.parse_args(["--batch_size", "2"])))  # 4 sequences a step
+    for flags in (["--batch_size", "4"], ["--batch_size", "2", "--grad_accum", "2"], ["--batch_size", "1",
+                                                                                         "--grad_accum", "4"]):
+        train.refuse_another_run("step_000020", saved, train.parse_args(flags), 1)
+    with pytest.raises(SystemExit, match=r"4 sequences a step at dp 2 \(now 2 at dp 1: keep them with --batch_size "
+                                         r"x --grad_accum = 4\)"):
+        train.refuse_another_run("step_000020", saved, train.parse_args(["--batch_size", "2"]), 1)
+    with pytest.raises(SystemExit, match="now 12 at dp 3: keep them with a dp that divides 4"):
+        train.refuse_another_run("step_000020", saved, train.parse_args(["--batch_size", "4"]), 3)
+    train.refuse_another_run("step_000020", saved, train.parse_args(["--batch_size", "2"]), 2)  # the same run
 
 
 def test_resumed_data_streams_are_each_ranks_own_at_any_dp():
@@ -263,6 +305,20 @@ def test_a_tp_checkpoint_missing_a_slice_is_named_unfinished_not_another_tp(tmp_
     (tmp_path / "tp0").mkdir()
     (tmp_path / "tp0" / "manifest.json").write_text(json.dumps({"tp": [0, 2]}))
     assert train.saved_tp(tmp_path) == 2 and not train.complete(tmp_path, 2)
+
+
+def test_a_complete_checkpoint_saved_at_another_tp_is_not_named_unfinished(tmp_path):
+    """A run at --tp 1 that would save into a step a --tp 2 run saved whole was told the save "did not finish" and
+    to delete it: the check asked for this run's tp's manifests."""
+    step = tmp_path / "step_000002"
+    for t in range(2):
+        (step / f"tp{t}").mkdir(parents=True)
+        (step / f"tp{t}" / "manifest.json").write_text(json.dumps({"tp": [t, 2]}))
+    with pytest.raises(SystemExit, match=r"which exists \(a checkpoint saved with --tp 2\): pass another --save_dir"):
+        train.refuse_saving_into(step, 1)
+    (step / "tp1").rename(step / "tp1.partial")  # a save of slice 1 cut short
+    with pytest.raises(SystemExit, match="holds a save that did not finish: delete it"):
+        train.refuse_saving_into(step, 1)
 
 
 def test_an_empty_data_file_is_named_too_short(tmp_path):

@@ -71,6 +71,8 @@ def parse_args(argv=None):
         value = getattr(args, name)  # (nan passes no comparison: it fails this one)
         if not (math.isfinite(value) and (value > 0 if name == "lr" else value >= 0)):
             p.error(f"--{name} must be {low}, a finite number (got {value:g})")
+    if not 0 <= args.seed < 2**32:  # (each dp rank's data stream is seeded seed * 1000 + its rank)
+        p.error(f"--seed must be in [0, 2**32) (got {args.seed})")
     if args.contiguous and args.checkpoint == "none":
         p.error("--contiguous keeps activation checkpoints in one buffer: add --checkpoint full, P_a or P_a+cpu")
     if args.save_dir and pathlib.Path(args.save_dir).exists() and not pathlib.Path(args.save_dir).is_dir():
@@ -258,12 +260,22 @@ def run_flags(args):
     return {k: os.path.realpath(args.data) if k == "data" and args.data else getattr(args, k) for k in RUN_FLAGS}
 
 
-def refuse_another_run(path, extra, args):
-    """Stop where the checkpoint belongs to a run with other flags (a checkpoint without them: not checked)."""
-    saved, now = (extra or {}).get("run", {}), run_flags(args)
+def refuse_another_run(path, extra, args, dp):
+    """Stop where the checkpoint belongs to a run with other flags (a checkpoint without them: not checked). At
+    another dp, --batch_size and --grad_accum may change, so long as a step's sequences stay what they were."""
+    saved, now, saved_dp = (extra or {}).get("run", {}), run_flags(args), (extra or {}).get("dp", dp)
     if saved.get("data") and (saved["data"] == args.data or os.path.realpath(saved["data"]) == now["data"]):
         saved = {**saved, "data": now["data"]}  # the same file (an earlier train.py saved it as given)
-    changed = [f"--{k} {saved[k]} (now {now[k]})" for k in RUN_FLAGS if k in saved and saved[k] != now[k]]
+    changed = []
+    if saved_dp != dp and "batch_size" in saved:  # sequences a step: --batch_size x --grad_accum x dp
+        sequences, here = saved["batch_size"] * saved["grad_accum"] * saved_dp, args.batch_size * args.grad_accum * dp
+        if sequences != here:
+            keep = f"--batch_size x --grad_accum = {sequences // dp}" if sequences % dp == 0 else \
+                f"a dp that divides {sequences}"
+            changed.append(f"{sequences} sequences a step at dp {saved_dp} (now {here} at dp {dp}: keep them with "
+                           f"{keep})")
+        saved = {**saved, "batch_size": args.batch_size, "grad_accum": args.grad_accum}
+    changed += [f"--{k} {saved[k]} (now {now[k]})" for k in RUN_FLAGS if k in saved and saved[k] != now[k]]
     if changed:
         raise SystemExit(f"--resume: {path} belongs to a run with {', '.join(changed)}: resume with the run's "
                          f"flags (its learning-rate schedule, batches and optimizer options follow from them), "
@@ -273,6 +285,17 @@ def refuse_another_run(path, extra, args):
 def complete(path, tp):
     """Every tp slice's manifest written (a save cut short has none)."""
     return all((checkpoint_part(path, tp, t) / "manifest.json").is_file() for t in range(tp))
+
+
+def refuse_saving_into(path, tp):
+    """Stop before training where this run would save into `path`, which exists: as the tp it was saved at says."""
+    there = saved_tp(path)
+    if not complete(path, there):
+        raise SystemExit(f"--save_dir: this run would save {path}, which holds a save that did not finish: "
+                         f"delete it, then continue from the latest complete checkpoint with --resume")
+    raise SystemExit(f"--save_dir: this run would save {path}, which exists" + (
+        f" (a checkpoint saved with --tp {there}): pass another --save_dir" if there != tp else
+        ": continue from the latest checkpoint there with --resume, or pass another --save_dir"))
 
 
 def latest_checkpoint(save_dir, tp):
@@ -367,9 +390,9 @@ def main(argv=None):
         try:
             extra = zero.load_checkpoint(checkpoint_part(path, args.tp, tp_rank), model, optimizer)
         except zero.CheckpointError as e:  # (another --model or --dtype: named as the flag it is)
-            refuse_another_run(path, e.extra, args)
+            refuse_another_run(path, e.extra, args, dp)
             raise SystemExit(f"--resume: {e}") from None
-        refuse_another_run(path, extra, args)
+        refuse_another_run(path, extra, args, dp)
         first = extra["step"]
         if first >= args.steps:
             raise SystemExit(f"--resume: {path} is the end of its run (step {first} of --steps {args.steps}): "
@@ -378,14 +401,10 @@ def main(argv=None):
         log(f"resumed from {path} at step {first}" + ("" if extra.get("dp") == dp else
             f" (saved at dp {extra.get('dp', '?')}, now dp {dp}: each rank draws a fresh data stream)"))
     taken = [d for d in (checkpoint_dir(args, step) for step in range(first, args.steps)) if d and d.exists()]
-    if taken and not complete(taken[0], args.tp):
-        raise SystemExit(f"--save_dir: this run would save {taken[0]}, which holds a save that did not finish: "
-                         f"delete it, then continue from the latest complete checkpoint with --resume")
     if taken:
-        raise SystemExit(f"--save_dir: this run would save {taken[0]}, which exists: continue from the latest "
-                         f"checkpoint there with --resume, or pass another --save_dir")
+        refuse_saving_into(taken[0], args.tp)
     tokens_per_step = args.batch_size * args.seq_len * dp * args.grad_accum
-    history, val_history, diverged = [], [], None
+    history, val_history, stopped = [], [], None  # stopped: why the run ended early, if it did
     # The memory line comes from the first step; on CUDA from the second: a thread's first matmul
     # makes its cuBLAS workspace (32 MiB on Hopper), which the first forward would count as kept.
     memory_step = min(first + (device.type == "cuda"), args.steps - 1)
@@ -432,7 +451,7 @@ def main(argv=None):
             + (" (measured: slower step)" if measure and device.type == "cpu" else "")
             + ("" if stepped else f" | overflow: step skipped, loss scale now {optimizer.loss_scale:g}"))
         if not math.isfinite(mean_loss):  # the same value on every rank: all stop here
-            diverged = f"step {step}: the loss is {mean_loss}: training diverged; lower --lr (now {args.lr:g})"
+            stopped = f"step {step}: the loss is {mean_loss}: training diverged; lower --lr (now {args.lr:g})"
             break
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
             val = evaluate(model, val_data, args, device, dp_group, dp)
@@ -440,14 +459,19 @@ def main(argv=None):
             log(f"step {step:4d} | validation loss {val:.4f}")
         path = checkpoint_dir(args, step)
         if path:
-            save(path, args, tp_group, model, optimizer, step=step + 1, dp=dp, data=gen.get_state(),
-                 run=run_flags(args))
+            try:  # a collective: it fails on every rank, and then every rank stops here
+                save(path, args, tp_group, model, optimizer, step=step + 1, dp=dp, data=gen.get_state(),
+                     run=run_flags(args))
+            except Exception as e:  # (a full disk, another run saving there): the log so far is kept
+                stopped = (f"step {step}: {e}. Make room or pass another --save_dir, and continue from the latest "
+                           f"complete checkpoint with --resume")
+                break
             log(f"step {step:4d} | saved {path}")
 
     # a sample: every rank runs the same generation (stage 3 gathers parameters collectively,
     # tp ranks must draw the same tokens), rank 0 prints it
     sample = None
-    if not diverged:
+    if not stopped:
         prompt = torch.tensor([list(b"def ")], device=device)
         out = model.generate(prompt, 200, temperature=0.7, top_k=50, generator=torch.Generator().manual_seed(args.seed),
                              context=args.seq_len)  # (the positions it was trained on)
@@ -457,10 +481,10 @@ def main(argv=None):
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # --out out/run.json in a fresh clone
         pathlib.Path(args.out).write_text(json.dumps(dict(args=vars(args), world=world, backend=backend,
                                                           log=history, val=val_history, sample=sample,
-                                                          diverged=diverged), indent=1))
+                                                          stopped=stopped), indent=1))
     dist.destroy_process_group()
-    if diverged:
-        raise SystemExit(diverged)
+    if stopped:
+        raise SystemExit(stopped)
     return history
 
 
