@@ -442,7 +442,7 @@ def main(argv=None):
         if step == memory_step:
             log(f"memory at step {step} ({'CUDA allocator' if device.type == 'cuda' else 'live tensors'}): "
                 f"activations kept at the end of forward {memory.kept_by_forward() / 1e6:.2f} MB/rank "
-                f"(checkpointing: {args.checkpoint}) | peak {(memory.peak() - baseline) / 1e6:.2f} MB/rank")
+                f"(checkpointing: {args.checkpoint}) | peak {peak:.2f} MB/rank")
         dist.all_reduce(step_loss, group=dp_group)  # the loss of the whole batch, over dp ranks
         mean_loss, tok_s = step_loss.item() / dp, tokens_per_step / ms * 1000
         history.append(dict(step=step, loss=mean_loss, ms=ms, tokens_per_s=tok_s, model_state_mb=state_mb, peak_mb=peak))
