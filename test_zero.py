@@ -2759,6 +2759,34 @@ def on_rank_functional_call_first(stage):
     return out + list(weights().values())
 
 
+def on_rank_evaluate_first(stage):
+    """An nn.TransformerEncoderLayer evaluated (eval(), no_grad) before any training, three times, against the
+    same layer in plain torch: whether each output is torch's, bit for bit."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    with torch.no_grad():
+        want = [layer(x) for _ in range(3)]
+    model, opt = zero.initialize(layer, torch.optim.SGD, stage=stage, lr=0.1)
+    with torch.inference_mode():
+        got = [model(x) for _ in range(3)]
+    model.train()
+    F.mse_loss(model(x), torch.zeros_like(x)).backward()  # the first forward with gradients learns and checks
+    opt.step()
+    return [torch.equal(a, b) for a, b in zip(got, want)]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_an_evaluation_before_training_gives_torchs_outputs(world, stage):
+    """At stages 1-3 the first forward ran under zero's TorchFunctionMode (learning reads, checking them), which
+    turns off torch's eval fast paths: an evaluation before any training differed from plain torch's in the
+    last bits (nn.MultiheadAttention), or at padded positions (nn.TransformerEncoder with a padding mask).
+    Only a forward with gradients on is watched now."""
+    for rank, equal in enumerate(world(2).run(on_rank_evaluate_first, stage)):
+        print(f"stage {stage} rank {rank}: each evaluation equals torch's: {equal}")
+        assert equal == [True] * 3, equal
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_functional_call_in_the_first_forward_matches_ddp(world, stage):
     """torch.func.functional_call swaps other tensors into the modules' parameters: at stages 1-2 a
@@ -3154,6 +3182,7 @@ def on_rank_torch_idioms(stage):
         failures.append(f"step() without a backward returned {stepped} and made state for {len(opt.state)} tensors")
     opt.zero_grad()
     failures += missed_errors({"step() takes no closure": lambda: opt.step(lambda: loss_of(model, 0))}, TypeError)
+    failures += missed_errors({"drop `with model.no_sync():`": lambda: model.no_sync()}, RuntimeError)
     failures += missed_errors({"p.grad stays None at every stage (the gradients live in zero's buffers): call "
                                "optimizer.zero_grad()": lambda: opt.zero_grad(set_to_none=False)}, ValueError)
     calls = []  # step hooks on zero's optimizer run once around its step(), as on a torch.optim one

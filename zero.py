@@ -1370,7 +1370,8 @@ class FlatParameters:
     def _start_reading(self, module):
         if self.ends is None and self.reads is None:
             self.wait()  # the first forward waits for everything and learns what each module reads
-            if self.partition.holds_its_parameters(module):  # (else a later forward learns)
+            # (else a later forward learns; not under no_grad, where the mode would turn off torch's eval fast paths)
+            if self.partition.holds_its_parameters(module) and torch.is_grad_enabled():
                 self.reads = ParameterReads(self._read).__enter__()
 
     def _pre_forward(self, m):
@@ -1782,7 +1783,9 @@ class ShardedParameters:
 
     def _start_reading(self, module):
         # (a forward under torch.func.functional_call reads other tensors: a later forward checks and learns)
-        if not self.order_known and self.reads is None and self.partition.holds_its_parameters(module):
+        # (nor under no_grad: the mode would turn off torch's eval fast paths, MultiheadAttention's; a later one checks)
+        if not self.order_known and self.reads is None and self.partition.holds_its_parameters(module) and \
+                torch.is_grad_enabled():
             self.group_of_storage = {b.untyped_storage()._cdata: g for g, b in enumerate(self.buffers) if b.numel()}
             self.reads = ParameterReads(self._read, self._made).__enter__()
 
@@ -1811,7 +1814,7 @@ class ShardedParameters:
         backward (as FSDP2 keeps its root's): an all-gather and a check fewer per step."""
         if self.order_known:
             return
-        if self.reads is None:  # a forward under torch.func.functional_call (see _start_reading): the next learns
+        if self.reads is None:  # a forward under functional_call or no_grad (see _start_reading): the next learns
             self.unit_order, self.unit_position = [], {}
             return
         self.order_known, last = True, len(self.unit_order) - 1
@@ -2226,6 +2229,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         m.__deepcopy__ = _refuse_deepcopy  # (copy.deepcopy looks it up on the instance)
         m.__reduce_ex__ = _refuse_pickling  # torch.save(model), pickle, copy.copy (they too look on the instance)
     module.zero_grad = optimizer.zero_grad  # the gradients are zero's buffers, not p.grad
+    module.no_sync = _refuse_no_sync  # DDP's accumulation idiom
     module._zero = optimizer
     return module, optimizer
 
@@ -2311,6 +2315,12 @@ def _refuse_pickling(protocol):
                        "copy.copy) would carry zero's hooks and buffers: save zero.full_state_dict(model) (the whole "
                        "weights, a collective) or zero.save_checkpoint(path, model, optimizer); copy a module before "
                        "zero.initialize")
+
+
+def _refuse_no_sync():
+    raise RuntimeError("zero has no no_sync(): each backward is reduced as it runs and added to the step's gradients "
+                       "(the 4Ψ that putting it off would keep is what stages 2-3 give up), so accumulation needs "
+                       "none: drop `with model.no_sync():` and call backward as before")
 
 
 def _refuse_load_state_dict(*args):
