@@ -199,7 +199,9 @@ def test_train_resumed_from_a_checkpoint_gives_the_uninterrupted_losses(tmp_path
                                 "--resume", str(tmp_path / "a" / "step_000020"))
     assert "resumed from" in stdout and "saved" in stdout
     assert [row["loss"] for row in resumed["log"]] == [row["loss"] for row in whole["log"]][20:]
-    # a resume that would silently change the run, or has nothing left to train, stops first
+    # a resume that would silently change the run, or has nothing left to train, stops first (run as one
+    # process: dp 1 keeps the run's 4 sequences a step with --batch_size 4)
+    one_process = ["--batch_size", "4"]
     for more, message in ((["--weight_decay", "5.0"], "belongs to a run with --weight_decay 0.1 (now 5.0)"),
                           (["--steps", "60"], "--steps 40 (now 60)"),
                           (["--seed", "1"], "--seed 1337 (now 1)"),
@@ -207,11 +209,11 @@ def test_train_resumed_from_a_checkpoint_gives_the_uninterrupted_losses(tmp_path
                           # another model or dtype cannot load: named as the flag, not as shapes and dtypes
                           (["--model", "tiny"], "belongs to a run with --model nano (now tiny)"),
                           (["--dtype", "bfloat16"], "belongs to a run with --dtype float32 (now bfloat16)")):
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *flags, *more, "--resume",
-                               str(tmp_path / "a" / "step_000020")], capture_output=True, text=True, timeout=120,
-                              cwd=HERE)
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *flags, *one_process, *more,
+                               "--resume", str(tmp_path / "a" / "step_000020")], capture_output=True, text=True,
+                              timeout=120, cwd=HERE)
         assert proc.returncode != 0 and message in proc.stderr and "step   20" not in proc.stdout, proc.stderr[-2000:]
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *flags, "--resume",
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *flags, *one_process, "--resume",
                            str(tmp_path / "a" / "step_000040")], capture_output=True, text=True, timeout=120, cwd=HERE)
     assert proc.returncode != 0 and "is the end of its run (step 40 of --steps 40)" in proc.stderr, proc.stderr[-2000:]
 

@@ -266,16 +266,15 @@ def refuse_another_run(path, extra, args, dp):
     saved, now, saved_dp = (extra or {}).get("run", {}), run_flags(args), (extra or {}).get("dp", dp)
     if saved.get("data") and (saved["data"] == args.data or os.path.realpath(saved["data"]) == now["data"]):
         saved = {**saved, "data": now["data"]}  # the same file (an earlier train.py saved it as given)
-    changed = []
+    batch = []
     if saved_dp != dp and "batch_size" in saved:  # sequences a step: --batch_size x --grad_accum x dp
         sequences, here = saved["batch_size"] * saved["grad_accum"] * saved_dp, args.batch_size * args.grad_accum * dp
         if sequences != here:
             keep = f"--batch_size x --grad_accum = {sequences // dp}" if sequences % dp == 0 else \
                 f"a dp that divides {sequences}"
-            changed.append(f"{sequences} sequences a step at dp {saved_dp} (now {here} at dp {dp}: keep them with "
-                           f"{keep})")
+            batch = [f"{sequences} sequences a step at dp {saved_dp} (now {here} at dp {dp}: keep them with {keep})"]
         saved = {**saved, "batch_size": args.batch_size, "grad_accum": args.grad_accum}
-    changed += [f"--{k} {saved[k]} (now {now[k]})" for k in RUN_FLAGS if k in saved and saved[k] != now[k]]
+    changed = [f"--{k} {saved[k]} (now {now[k]})" for k in RUN_FLAGS if k in saved and saved[k] != now[k]] + batch
     if changed:
         raise SystemExit(f"--resume: {path} belongs to a run with {', '.join(changed)}: resume with the run's "
                          f"flags (its learning-rate schedule, batches and optimizer options follow from them), "

@@ -2886,7 +2886,7 @@ def load_checkpoint(path, model, optimizer):
     dist.all_gather_object(everyone, problems, group=part.group)
     problems = sorted({p for ps in everyone for p in ps})
     if problems:
-        raise CheckpointError(f"cannot load {path}: " + "; ".join(problems), extra=rest and rest["extra"])
+        raise CheckpointError(f"cannot load {path}: " + "; ".join(problems), extra=rest and _copied(rest["extra"]))
     opt.parameters.wait()
     if opt.master is not None:  # the master, then the 16-bit parameters from it
         _read_own(opt, reader, "weights", lambda f, o: opt.master[o])
@@ -2920,12 +2920,12 @@ def load_checkpoint(path, model, optimizer):
     for name, b in live.items():
         b.copy_(buffers[name])
     for name, value in (extra_states or {}).items():
-        model.get_submodule(name[:-len(EXTRA)].rstrip(".")).set_extra_state(value)
+        model.get_submodule(name[:-len(EXTRA)].rstrip(".")).set_extra_state(_copied(value))
     if manifest["nd"] == part.nd:  # each rank its own random stream; at another Nd the streams differ
         torch.set_rng_state(rest["rng"])
         if "cuda_rng" in rest and part.device.type == "cuda":
             torch.cuda.set_rng_state(rest["cuda_rng"], part.device)
-    return rest["extra"]
+    return _copied(rest["extra"])
 
 
 def _keys_of(manifest, scalars, name):
@@ -2976,14 +2976,16 @@ def consolidate(path, out=None):
     rest = reader.rest(0)
     for name in rest.get("persistent", rest["buffers"]):  # floating point in fp32 or wider, as full_state_dict
         b = rest["buffers"][name]
-        model[name] = b.to(torch.promote_types(b.dtype, torch.float32)) if b.is_floating_point() else b
-    model.update(rest.get("extra_states", {}))
+        model[name] = b.to(torch.promote_types(b.dtype, torch.float32) if b.is_floating_point() else b.dtype,
+                           copy=True)
+    model.update(_copied(rest.get("extra_states", {})))
     scalars, state, groups, index = reader.scalars(), {}, [], 0
     for saved in manifest["param_groups"]:
         groups.append({**{k: _as_held(None, v) for k, v in saved.items() if k != "params"},
                        "params": list(range(index, index + len(saved["params"])))})
         for name in saved["params"]:
-            entry = {**{k: reader.param(name, k) for k in _keys_of(manifest, scalars, name)}, **scalars.get(name, {})}
+            entry = {**{k: reader.param(name, k) for k in _keys_of(manifest, scalars, name)},
+                     **_copied(scalars.get(name, {}))}
             if entry:
                 state[index] = entry
             index += 1
@@ -3008,15 +3010,9 @@ class CheckpointReader:
                 dtype = getattr(torch, self.manifest["dtype"])
                 size = (self.path / name).stat().st_size // dtype.itemsize
                 self.files[name] = torch.from_file(str(self.path / name), shared=False, size=size, dtype=dtype)
-            else:  # format 2's shards, torch.save'd tensors: mapped, each in CPU memory wherever it was saved
+            else:  # torch.save'd, mapped too, in CPU memory wherever they were saved (a GPU's load without one, and
+                # no rank puts rank 0's buffers on rank 0's GPU); what leaves the load is copied (see _copied)
                 self.files[name] = torch.load(self.path / name, mmap=True, weights_only=True, map_location="cpu")
-        return self.files[name]
-
-    def _small(self, name):
-        """A small pickled file read whole, its tensors in CPU memory (saved on a GPU, it loads on a machine without
-        one, and no rank's load puts rank 0's buffers on rank 0's GPU); nothing it gives back keeps the file open."""
-        if name not in self.files:
-            self.files[name] = torch.load(self.path / name, weights_only=True, map_location="cpu")
         return self.files[name]
 
     def read(self, key, x, n, out):
@@ -3037,10 +3033,15 @@ class CheckpointReader:
         return out.view(p["shape"])
 
     def rest(self, rank):
-        return self._small(f"rank{rank}.rest.pt")
+        return self._file(f"rank{rank}.rest.pt")
 
     def scalars(self):
-        return self._small("scalars.pt")
+        return self._file("scalars.pt")
+
+
+def _copied(value):
+    """value with each tensor in it copied out of its mapped file, so that nothing handed out keeps the file open."""
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
 
 
 def _read_manifest(path):
