@@ -329,9 +329,9 @@ def on_rank_load_then_delete(path):
 def test_a_checkpoint_saved_on_a_gpu_loads_on_a_cpu_and_holds_no_file_open(world, tmp_path):
     """The rank files' small parts (buffers, extra states, the extra) were torch.load'ed where they were saved: a
     checkpoint saved on a GPU could neither load nor consolidate on a machine without one, and every rank would have
-    put rank 0's buffers on rank 0's GPU. They come to CPU memory now. (Simulated: the files rewritten as torch.save
-    tags tensors on cuda:0.) What a load gives back was memory-mapped from those files, so deleting an old
-    checkpoint kept its rank file's pages mapped while the extra lived; now they are read whole."""
+    put rank 0's buffers on rank 0's GPU. They are mapped into CPU memory now. (Simulated: the files rewritten as
+    torch.save tags tensors on cuda:0.) What a load gave back was a view of those mapped files, so deleting an old
+    checkpoint kept its rank file's pages mapped while the extra lived; now it is copied out."""
     path = tmp_path / "ckpt"
     world(2).run(on_rank_save_with_extra, str(path))
     manifest, tag = json.loads((path / "manifest.json").read_text()), torch.serialization.location_tag
