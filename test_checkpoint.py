@@ -149,6 +149,19 @@ def on_rank_option_json_rewrites(path, option):
     return str(refused.value), os.path.exists(path)
 
 
+def on_rank_option_nan(path):
+    model, opt = make(1)
+    opt.param_groups[0]["tags"] = [float("nan"), 1]  # JSON gives NaN back
+    zero.save_checkpoint(path, model, opt)
+    zero.load_checkpoint(path, model, opt)
+    return repr(opt.param_groups[0]["tags"])
+
+
+@pytest.mark.xdist_group("world1")
+def test_a_nan_option_saves_and_loads(world, tmp_path):
+    assert world(1).run(on_rank_option_nan, str(tmp_path / "ckpt")) == ["[nan, 1]"]
+
+
 @pytest.mark.xdist_group("world1")
 @pytest.mark.parametrize("option", [{2: "a", 10: "b"}, {1, 2}, torch.float16], ids=["int-keys", "set", "dtype"])
 def test_an_option_the_manifest_would_rewrite_is_refused_at_save(world, tmp_path, option):

@@ -138,7 +138,7 @@ def test_train_loss_curves_are_identical_for_stages_0_and_3(tmp_path):
     (["--data", os.path.join(HERE, "no_such_file.txt")], "no_such_file.txt is not a file: give a text file"),
     # (FAST: were a flag let through, the run would end in seconds, not after 1000 steps)
     (["--lr", "nan"], "--lr must be above 0, a finite number (got nan)"),
-    (["--seed", str(2**64 // 1000 + 1)], "--seed must be in [0, 2**32) (got 18446744073709552)"),
+    (["--seed", str(2**64 // 1000 + 1)], "--seed must be in [0, 2**64 // 1000) (got 18446744073709552)"),
     (["--grad_clip", "nan", *FAST], "--grad_clip must be 0 (off) or more, a finite number (got nan)"),
     (["--save_every", "-1"], "--save_every must be 0 (a checkpoint at the end only) or more (got -1)"),
     (["--out", os.path.join(HERE, "README.md", "run.json"), *FAST], "README.md, a file: give a path in a directory"),

@@ -3182,7 +3182,9 @@ def on_rank_torch_idioms(stage):
         failures.append(f"step() without a backward returned {stepped} and made state for {len(opt.state)} tensors")
     opt.zero_grad()
     failures += missed_errors({"step() takes no closure": lambda: opt.step(lambda: loss_of(model, 0))}, TypeError)
-    failures += missed_errors({"drop `with model.no_sync():`": lambda: model.no_sync()}, RuntimeError)
+    with model.no_sync():  # DDP's accumulation idiom: nothing to put off, each backward is reduced as it runs
+        loss_of(model, 0).backward()
+    opt.zero_grad()
     failures += missed_errors({"p.grad stays None at every stage (the gradients live in zero's buffers): call "
                                "optimizer.zero_grad()": lambda: opt.zero_grad(set_to_none=False)}, ValueError)
     calls = []  # step hooks on zero's optimizer run once around its step(), as on a torch.optim one

@@ -71,8 +71,8 @@ def parse_args(argv=None):
         value = getattr(args, name)  # (nan passes no comparison: it fails this one)
         if not (math.isfinite(value) and (value > 0 if name == "lr" else value >= 0)):
             p.error(f"--{name} must be {low}, a finite number (got {value:g})")
-    if not 0 <= args.seed < 2**32:  # (each dp rank's data stream is seeded seed * 1000 + its rank)
-        p.error(f"--seed must be in [0, 2**32) (got {args.seed})")
+    if not 0 <= args.seed < 2**64 // 1000:  # (each dp rank's data stream is seeded seed * 1000 + its rank: 64 bits)
+        p.error(f"--seed must be in [0, 2**64 // 1000) (got {args.seed})")
     if args.contiguous and args.checkpoint == "none":
         p.error("--contiguous keeps activation checkpoints in one buffer: add --checkpoint full, P_a or P_a+cpu")
     if args.save_dir and pathlib.Path(args.save_dir).exists() and not pathlib.Path(args.save_dir).is_dir():

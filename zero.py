@@ -19,6 +19,7 @@ Sections follow the paper: 3, 3.1, 5 and 7, 5.1, 5.2, 5.3, 6 (ZeRO-R); then `ini
 """
 import bisect
 import collections
+import contextlib
 import copy
 import datetime
 import functools
@@ -2229,7 +2230,7 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         m.__deepcopy__ = _refuse_deepcopy  # (copy.deepcopy looks it up on the instance)
         m.__reduce_ex__ = _refuse_pickling  # torch.save(model), pickle, copy.copy (they too look on the instance)
     module.zero_grad = optimizer.zero_grad  # the gradients are zero's buffers, not p.grad
-    module.no_sync = _refuse_no_sync  # DDP's accumulation idiom
+    module.no_sync = contextlib.nullcontext  # DDP's accumulation idiom: nothing to put off (see GradientBuckets)
     module._zero = optimizer
     return module, optimizer
 
@@ -2315,12 +2316,6 @@ def _refuse_pickling(protocol):
                        "copy.copy) would carry zero's hooks and buffers: save zero.full_state_dict(model) (the whole "
                        "weights, a collective) or zero.save_checkpoint(path, model, optimizer); copy a module before "
                        "zero.initialize")
-
-
-def _refuse_no_sync():
-    raise RuntimeError("zero has no no_sync(): each backward is reduced as it runs and added to the step's gradients "
-                       "(the 4Ψ that putting it off would keep is what stages 2-3 give up), so accumulation needs "
-                       "none: drop `with model.no_sync():` and call backward as before")
 
 
 def _refuse_load_state_dict(*args):
@@ -2669,7 +2664,7 @@ def save_checkpoint(path, model, optimizer, **extra):
             _seal(partial, files, "scalars.pt")
             manifest = _layout(opt, model)
             for key, value in ((k, v) for g in manifest["param_groups"] for k, v in g.items()):
-                if json.loads(json.dumps(value, default=repr)) != value:  # here, where every rank learns of it
+                if repr(json.loads(json.dumps(value, default=repr))) != repr(value):  # (by repr: NaN is NaN)
                     raise TypeError(f"param_group option {key}={value!r} would not load back from the manifest's "
                                     f"JSON as it is: hold options as numbers, strings, bools, None, tensors, or "
                                     f"lists and str-keyed dicts of them")
@@ -2903,14 +2898,16 @@ def load_checkpoint(path, model, optimizer):
                       f"but had requires_grad=False at zero.initialize, which keeps no state for them: it is dropped. "
                       f"To keep it, freeze them after zero.initialize")
     opt.optim.state.clear()
+    capturable = {w: g.get("capturable", False) for g in opt.optim.param_groups for w in g["params"]}
     for piece, w in zip(opt.pieces, opt.weights):
         name = opt.names[part.params[piece.index]]
         for key in _keys_of(manifest, scalars, name):  # a tensor per state the piece had, as the optimizer makes them
             opt.optim.state[w][key] = torch.zeros_like(w)
             _read_piece(opt, reader, key, piece, opt.optim.state[w][key])
         for key, value in scalars.get(name, {}).items():  # placed as torch.optim's load_state_dict places them:
-            if torch.is_tensor(value):  # step in CPU memory, other tensors on the weights' device
-                value = value.clone() if key == "step" else value.to(w.device, copy=True)
+            if torch.is_tensor(value):  # step in CPU memory (capturable: an fp32 one on the device), others on it
+                value = value.clone() if key == "step" and not capturable[w] else \
+                    value.to(w.device, torch.float32 if key == "step" else value.dtype, copy=True)
             opt.optim.state[w][key] = value
     for group, saved in zip(opt.param_groups, manifest["param_groups"]):
         group.update({k: _as_held(group.get(k), v) for k, v in saved.items() if k != "params"})
@@ -3040,8 +3037,9 @@ class CheckpointReader:
 
 
 def _copied(value):
-    """value with each tensor in it copied out of its mapped file, so that nothing handed out keeps the file open."""
-    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
+    """value with each tensor in it copied out of its mapped file, so that nothing handed out keeps the file open
+    (ties, views and Parameters as torch.load gave them)."""
+    return copy.deepcopy(value)
 
 
 def _read_manifest(path):
