@@ -626,6 +626,40 @@ def on_rank_save(path, stage):
     zero.save_checkpoint(path, model, opt)
 
 
+def on_rank_save_syncing(path):
+    """The paths save_checkpoint fsyncs, in order (os.fsync recorded through /proc's name of each descriptor)."""
+    synced, fsync = [], os.fsync
+
+    def recording(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    model, opt = make(1)
+    train(model, opt, 0, 1)
+    os.fsync = recording
+    try:
+        zero.save_checkpoint(path, model, opt)
+    finally:
+        os.fsync = fsync
+    return synced
+
+
+@pytest.mark.xdist_group("world1")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fd through /proc (Linux)")
+def test_a_saved_checkpoint_is_on_disk_when_save_returns(world, tmp_path):
+    """Every file, the directory's entries and the rename into place are fsynced: a power loss after the return
+    cannot leave a checkpoint directory without its manifest or with empty files."""
+    path = tmp_path / "ckpt"
+    synced, = world(1).run(on_rank_save_syncing, str(path))
+    print(synced)
+    partial = f"{path}.partial"
+    files = {f"{partial}/{name}" for name in ["rank0.weights.bin", "rank0.exp_avg.bin", "rank0.exp_avg_sq.bin",
+                                              "rank0.rest.pt", "scalars.pt", "manifest.json"]}
+    assert files <= set(synced)
+    assert synced[-3:] == [f"{partial}/manifest.json", partial, str(tmp_path)], synced
+    assert sorted(os.listdir(path)) == sorted(pathlib.Path(f).name for f in files)
+
+
 def damage(path, how):
     path = pathlib.Path(path)
     target = path / "rank1.weights.bin"

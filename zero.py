@@ -2684,7 +2684,10 @@ def save_checkpoint(path, model, optimizer, **extra):
                             files={name: digest for _, f in everyone for name, digest in f.items()})
             manifest["sha256"] = _manifest_digest(manifest)
             (partial / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            for synced in (partial / "manifest.json", partial):  # on disk before the name is: a power loss
+                _sync(synced)  # after the return leaves the checkpoint whole, or this save not made
             os.replace(partial, path)  # atomic: the checkpoint appears whole or not at all
+            _sync(path.parent)  # the new name itself
         except BaseException:  # (a full disk): no partial copy of the model is left behind
             shutil.rmtree(partial, ignore_errors=True)
             raise
@@ -2748,6 +2751,15 @@ def _loadable(value, what):
 def _raw(t):
     """t's elements as bytes in CPU memory (a view where t is there already)."""
     return t.detach().cpu().contiguous().view(torch.uint8).numpy()
+
+
+def _sync(path):
+    """fsync a file, or a directory's entries (the names in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _seal(directory, files, name):
