@@ -445,21 +445,24 @@ def on_rank_step_temporaries(stage, dtype, bucket_numel):
 
 
 @pytest.mark.xdist_group("world2")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_step_converts_one_bucket_of_gradient_at_a_time(world, stage, dtype):
     """C_B for the step (Section 6.2): the gradient in the optimizer's dtype (converted, unscaled,
     clipped) never exists for the whole shard at once. Ψ = 4352 over 2 ranks in buckets of 512
     elements. step() runs the optimizer a window at a time and holds at most one bucket in fp32
-    (2 KB), none where the reduced shard is fp32 already (stage 1 keeps its chunks in the full
-    gradient, out of own-space order). clip_grad_norm_ holds less than the shard in fp32 (8.7 KB;
-    stage 0 owns everything: 17.4 KB): whole gradients of a bucket's worth of parameters and its
-    round buffers."""
+    (2 KB; fp16 16 B more: the scale's reciprocal, taken in fp64), none where the reduced shard is
+    fp32 already (stage 1 keeps its chunks in the full gradient, out of own-space order).
+    clip_grad_norm_ holds less than the shard in fp32 (8.7 KB; stage 0 owns everything: 17.4 KB):
+    whole gradients of a bucket's worth of parameters and its round buffers; under fp16 it first
+    checks for overflow, a reduced chunk at a time (over the whole reduced gradient at once, that
+    check held 5 bytes an element: 21.8 KB at stages 0-1)."""
     bucket_numel, psi = 512, 16 * 272
     shard = psi if stage == 0 else psi / 2
+    scale = 16 if dtype == torch.float16 else 0
     for clip, update in world(2).run(on_rank_step_temporaries, stage, dtype, bucket_numel):
         print(f"stage {stage} {dtype}: temporaries held at most by clip_grad_norm_ {clip} B, by step() {update} B")
-        assert clip < 4 * shard and update <= 4 * bucket_numel, (clip, update)
+        assert clip < 4 * shard and update <= 4 * bucket_numel + scale, (clip, update)
         if dtype == torch.float32 and stage != 1:  # the reduced shard is unscaled and clipped in place
             assert update == 0, update
 

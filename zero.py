@@ -716,8 +716,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.gradients.finish()
         self.overflow = False
         if self.scaler:  # (reading the flag waits for the device: only with loss scaling)
-            # over the whole reduced buffer (stage 1: the full gradient): inf anywhere makes its owner's sum inf
-            found_inf = (~self.gradients.reduced.isfinite()).any().float()
+            # this rank's reduced chunks, one at a time (C_B): an inf or NaN in any rank's gradient is in its owner's
+            # sum, and the flag's all-reduce tells every rank
+            finite = torch.ones((), dtype=torch.bool, device=self.gradients.reduced.device)
+            for chunk in self.gradients.reduced_chunks:
+                if chunk is not None:
+                    finite &= chunk.isfinite().all()
+            found_inf = (~finite).float()
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.partition.group)  # a scalar: any rank's
             if self.tp_group:  # and any tp slice's: every tp rank skips the same steps
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.tp_group)
