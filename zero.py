@@ -1011,7 +1011,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _all_states(self):
         """(elementwise state keys, {name: other states, e.g. AdamW's step}, {name: its elementwise keys}) for
         every parameter with state, alike on every rank. A parameter's pieces step together, so the rank with
-        its first element speaks for it: one all_gather_object (a collective) of O(parameters)."""
+        its first element speaks for it: one all_gather_object (a collective), which pads every rank's share to
+        the largest: each rank receives Nd times it (at stage 3 rank 0's, the first of every unit; docs/api.md)."""
         part, scalars, keys_of = self.partition, {}, {}
         for piece, w in zip(self.pieces, self.weights):
             state = self.optim.state.get(w, {})
