@@ -3350,6 +3350,11 @@ def on_rank_bad_inputs():
             nn.Sequential(nn.Linear(2, 2)), torch.optim.AdamW, stage=3, stage3_units=[nn.Linear(2, 2)]),
         "stage3_units holds a str that is not a module": lambda: zero.initialize(
             nn.Sequential(nn.Linear(2, 2)), torch.optim.AdamW, stage=3, stage3_units=["0"]),
+        # checked at every stage (stages 0-2 use no units): a call that initializes at stage 1 does at stage 3
+        "^stage3_units holds a ModuleList": lambda: (lambda m: zero.initialize(
+            m, torch.optim.AdamW, stage=1, stage3_units=[m]))(nn.ModuleList([nn.Linear(2, 2)])),
+        "^stage3_units holds a Linear that is not a module inside": lambda: zero.initialize(
+            nn.Sequential(nn.Linear(2, 2)), torch.optim.AdamW, stage=0, stage3_units=[nn.Linear(2, 2)]),
         "the parameters differ in dtype or device: 0.weight torch.float32 on cpu \\(2 like it\\), 1.weight "
         "torch.float64 on cpu \\(2 like it\\); move the module to one dtype": lambda: zero.initialize(
             nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()), torch.optim.AdamW, stage=1),

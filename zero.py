@@ -129,8 +129,12 @@ class MemoryHooks:
     def __init__(self, module, every_module=True):
         self.records, self.recording, self.saved = [], False, None
         for name, m in module.named_modules() if every_module else [("", module)]:
+            # stage 3 gathers a unit's parameters before its forward start and frees them after its end, whenever
+            # its hooks were put on: recorded inside them (prepend), both counts hold the parameters; the root's end
+            # after zero's, which free what the forward prefetched and left unused
             m.register_forward_pre_hook(lambda mod, args, name=name: self.record("forward start", name))
-            m.register_forward_hook(lambda mod, args, out, name=name: self._forward_end(name, out))
+            m.register_forward_hook(lambda mod, args, out, name=name: self._forward_end(name, out),
+                                    prepend=m is not module)
         module.register_forward_pre_hook(lambda mod, args: self._see_saved_tensors())
         module.register_forward_hook(lambda mod, args, out: self._stop_seeing(), always_call=True)
 
@@ -2184,10 +2188,10 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     elif device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
+    groups, hooks, shared = gather_groups(module, stage3_units)  # (checked at every stage: one call serves all)
     if stage < 3:  # the trainable parameters in module order, then the frozen ones
         runs = [(trainable, True), (frozen, False)]
     else:  # group by group, as stage 3 gathers them
-        groups, hooks, shared = gather_groups(module, stage3_units)
         runs = [([p for p in members if p.requires_grad == wants_grad], wants_grad)
                 for members in groups for wants_grad in (True, False)]
     bucket_numel = bucket_numel or default_bucket_numel(dist.get_world_size(group))
