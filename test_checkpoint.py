@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import pathlib
+import pickle
 import shutil
 import subprocess
 import sys
@@ -620,6 +621,42 @@ def test_each_parameter_keeps_the_state_keys_of_its_group(world, tmp_path, stage
 # -----------------------------------------------------------------------------------------
 # Refuse what is broken: a clear error, and the live model untouched
 # -----------------------------------------------------------------------------------------
+def on_rank_scalar_state_bytes():
+    """The uint8 elements (pickles) _all_states hands collectives, as save_checkpoint and full_optimizer_state gather
+    the scalar states; and the size of one pickle of what it gathered."""
+    import torch.distributed.distributed_c10d as c10d  # (dist.all_gather_object calls its all_gather from here)
+    model, opt = make(3)
+    train(model, opt, 0, 1)
+    handed, names = [], ("broadcast", "all_gather", "all_gather_single", "all_gather_into_tensor", "all_reduce")
+    real = {(m, n): getattr(m, n) for m in (dist, c10d) for n in names}
+
+    def recording(fn):
+        def recorded(*args, **kwargs):
+            handed.extend(t.numel() for a in list(args) + list(kwargs.values())
+                          for t in (a if isinstance(a, list) else [a]) if torch.is_tensor(t) and t.dtype == torch.uint8)
+            return fn(*args, **kwargs)
+        return recorded
+
+    for (module, name), fn in real.items():
+        setattr(module, name, recording(fn))
+    try:
+        keys, scalars, keys_of = opt._all_states()
+    finally:
+        for (module, name), fn in real.items():
+            setattr(module, name, fn)
+    return handed, len(pickle.dumps((scalars, keys_of)))
+
+
+@pytest.mark.xdist_group("world2")
+def test_the_scalar_states_are_gathered_without_padding(world):
+    """At stage 3 rank 0 speaks for the first parameters of every unit (those whose first element it holds), so the
+    ranks' shares of the scalar states differ in size; each rank receives what they hold together, not Nd times
+    the largest share (dist.all_gather_object's padding: 1T at Nd 1024 would receive 123 MiB a rank)."""
+    for handed, together in world(2).run(on_rank_scalar_state_bytes):
+        print(f"pickles handed to collectives {handed} (elements), one pickle of all of it {together}")
+        assert len(handed) == 2 and sum(handed) <= 1.05 * together, (handed, together)
+
+
 def on_rank_save(path, stage):
     model, opt = make(stage)
     train(model, opt, 0, 1)

@@ -425,6 +425,23 @@ class FlatPartition:
             full[self.flat_range(k)] = bucket
         return full
 
+    def all_gather_object(self, obj):
+        """[every rank's obj], each pickled and broadcast from its rank at its own size: the ranks receive what they
+        hold together (dist.all_gather_object pads each to the largest: every rank would receive Nd times that).
+        In torch's fake process group, where no data moves, the other ranks' sizes read 0: this rank's alone."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.flag_device)
+        sizes = torch.zeros(self.nd, dtype=torch.int64, device=self.flag_device)  # (Nd,): bookkeeping
+        sizes[self.rank] = len(data)
+        dist.all_reduce(sizes, group=self.group)
+        everyone = []
+        for rank, size in enumerate(sizes.tolist()):  # one broadcast per rank, of its pickle alone
+            if not size:  # (a pickle is never empty)
+                continue
+            data_r = data if rank == self.rank else torch.empty(size, dtype=torch.uint8, device=self.flag_device)
+            dist.broadcast(data_r, group_src=rank, group=self.group)
+            everyone.append(pickle.loads(data_r.cpu().numpy().tobytes()))
+        return everyone
+
     def values(self, k):
         """Bucket k's values (chunk * Nd,) as the parameters hold them on this rank, zero-padded."""
         b = self.buckets[k]
@@ -1015,8 +1032,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _all_states(self):
         """(elementwise state keys, {name: other states, e.g. AdamW's step}, {name: its elementwise keys}) for
         every parameter with state, alike on every rank. A parameter's pieces step together, so the rank with
-        its first element speaks for it: one all_gather_object (a collective), which pads every rank's share to
-        the largest: each rank receives Nd times it (at stage 3 rank 0's, the first of every unit; docs/api.md)."""
+        its first element speaks for it: O(parameters) bytes gathered, whatever Nd (at stage 3 rank 0 speaks for
+        the first parameters of every unit: see FlatPartition.all_gather_object)."""
         part, scalars, keys_of = self.partition, {}, {}
         for piece, w in zip(self.pieces, self.weights):
             state = self.optim.state.get(w, {})
@@ -1026,8 +1043,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 name = self.names[part.params[piece.index]]
                 scalars[name] = {key: v for key, v in state.items() if key not in elementwise}
                 keys_of[name] = sorted(elementwise)
-        everyone = [None] * part.nd
-        dist.all_gather_object(everyone, (scalars, keys_of), group=part.group)
+        everyone = part.all_gather_object((scalars, keys_of))
         scalars = {n: v for s, _ in everyone for n, v in s.items()}
         keys_of = {n: v for _, ks in everyone for n, v in ks.items()}
         return sorted(set().union(*keys_of.values())), scalars, keys_of
