@@ -323,6 +323,34 @@ def test_a_complete_checkpoint_saved_at_another_tp_is_not_named_unfinished(tmp_p
         train.refuse_saving_into(step, 1)
 
 
+def on_rank_broadcast_bytes(data, piece):
+    sizes, real = [], dist.broadcast
+
+    def recorded(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.broadcast = recorded
+    try:
+        got = train.broadcast_bytes(data if dist.get_rank() == 0 else None, torch.device("cpu"), piece)
+    finally:
+        dist.broadcast = real
+    return bytes(got.numpy()), sizes
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("size", [0, 1, 999, 1000, 2500])
+def test_the_corpus_reaches_every_rank_in_bounded_pieces(world, size):
+    """Rank 0's corpus arrives whole on every rank, sent in pieces of at most `piece` bytes (a corpus of any
+    size never whole in one device buffer), after its length."""
+    data = bytes(range(256)) * 10
+    data = data[:size]
+    for got, sizes in world(2).run(on_rank_broadcast_bytes, data, 1000):
+        print(f"{size} bytes: broadcasts of {sizes} elements")
+        assert got == data and sizes[0] == 1 and all(n <= 1000 for n in sizes[1:]), (len(got), sizes)
+        assert sum(sizes[1:]) == size
+
+
 def test_an_empty_data_file_is_named_too_short(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--data", str(tmp_path / "empty.txt")],

@@ -140,6 +140,24 @@ def load_corpus(path):
     return b"".join(strip_source(p.read_bytes()) for p in files)
 
 
+def broadcast_bytes(data, device, piece=2**24):
+    """Rank 0's bytes (data; None elsewhere) on every rank, as a uint8 tensor in CPU memory, sent in pieces of at most
+    `piece` bytes through one device buffer: a corpus of any size, never whole on the GPU (NCCL sends from there)."""
+    size = torch.tensor([len(data) if data is not None else 0], device=device)
+    dist.broadcast(size, group_src=0)
+    if data:
+        whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    else:  # (rank 0's empty file: size 0)
+        whole = torch.zeros(size.item(), dtype=torch.uint8)
+    buffer = torch.empty(min(piece, len(whole)), dtype=torch.uint8, device=device)
+    for lo in range(0, len(whole), piece):
+        part = buffer[:min(piece, len(whole) - lo)]
+        part.copy_(whole[lo:lo + len(part)])  # (on ranks other than 0 overwritten by the broadcast)
+        dist.broadcast(part, group_src=0)
+        whole[lo:lo + len(part)] = part
+    return whole
+
+
 def strip_source(src):
     """Python source (bytes) as load_corpus uses it: comments and docstrings removed (a line left
     empty goes), a continuation line inside brackets re-indented to its statement's indentation
@@ -337,10 +355,7 @@ def main(argv=None):
     log = print if rank == 0 else (lambda *a, **k: None)
 
     # data: the same bytes on every rank, prepared by rank 0 alone; 90% train, 10% validation
-    corpus = [load_corpus(args.data) if rank == 0 else None]
-    dist.broadcast_object_list(corpus, group_src=0)
-    raw = bytearray(corpus.pop())
-    data = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)  # (an empty file)
+    data = broadcast_bytes(load_corpus(args.data) if rank == 0 else None, device)
     split = int(0.9 * len(data))
     train_data, val_data = data[:split], data[split:]
     if len(val_data) <= args.seq_len + 1:
