@@ -98,8 +98,7 @@ def test_table1_cell_by_formula_agrees_with_paper(psi, nd, stage):
 def test_table2_theoretical_cell_by_formula(mp, stage):
     """Ψ with (bytes per device at Nd = 64) / MP = 32 GB agrees with the paper, except the 5 cells
     the paper scaled from its rounded MP = 1 value; those are exactly MP x that value, within 1%."""
-    psi = 32e9 * mp / paper_bytes_per_device(1, 64, stage)
-    assert paper_bytes_per_device(psi, 64, stage) / mp == pytest.approx(32e9, rel=1e-12)
+    psi = 32e9 * mp / paper_bytes_per_device(1, 64, stage)  # (bytes per device are linear in Ψ)
     published = PAPER_TABLE2[mp][stage]
     row, = [r for r in mt.table2_rows() if (r["mp"], r["stage"]) == (mp, stage)]
     assert row["psi"] == pytest.approx(psi, rel=1e-12) and row["published"] == published
@@ -389,6 +388,21 @@ def test_cli_bad_flags_say_what_to_change(monkeypatch, capsys, flags, message):
     with pytest.raises(SystemExit):
         mt.main(flags)
     assert message in capsys.readouterr().err
+
+def test_cli_measure_refuses_a_model_the_ranks_would_hold_with_their_snapshot(monkeypatch, capsys):
+    """--measure holds 16Ψ of model states and a snapshot of as much on each rank (the small preset peaked at
+    39.8Ψ bytes a rank): on a machine of 30Ψ bytes a rank it is refused before any rank starts."""
+    psi = mt.num_params(mt.PRESETS["small"])
+    pages = {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": 2 * 30 * psi}
+    monkeypatch.setattr(mt.os, "sysconf", lambda name: pages[name])
+    for name in list(mt.SECTIONS):
+        monkeypatch.setitem(mt.SECTIONS, name, lambda args: pytest.fail("ran a section"))
+    with pytest.raises(SystemExit):
+        mt.main(["--measure", "--model", "small", "--world", "1", "2"])
+    err = capsys.readouterr().err
+    print(err)
+    assert "(2 rank(s) x 40Ψ bytes at stage 0)" in err and "use --simulate" in err, err
+
 
 def end_rank_1(how):
     """On a rank: rank 1 ends without a result, by exiting or by a signal; rank 0 waits on, as a

@@ -67,7 +67,7 @@ REDUCTIONS = ("exact", "native")
 
 
 def default_bucket_numel(nd):
-    """C_B by default: 2^22 elements (16 MB in fp32), constant in the model's size (Section 6.2), grown
+    """C_B by default: 2^22 elements (16 MiB in fp32), constant in the model's size (Section 6.2), grown
     at large Nd so each rank's chunk stays >= 2^16 elements: tiny pieces make a collective latency-bound."""
     return max(2**22, 2**16 * nd)
 
