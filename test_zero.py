@@ -3313,13 +3313,27 @@ def on_rank_bad_inputs():
         "loss_scale must be a number or a zero.DynamicLossScale \\(got str\\)": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.AdamW, stage=1, param_dtype=torch.float16, loss_scale="dynamic"),
         # a scale of 0 makes every gradient 0, found finite, then unscaled by 1/0: NaN weights, no error
-        "loss_scale must be positive and finite \\(got 0\\).*DynamicLossScale": lambda: zero.initialize(
+        "loss_scale must be positive and finite in fp32 \\(got 0\\).*DynamicLossScale": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.SGD, stage=1, param_dtype=torch.float16, loss_scale=0, lr=0.1),
-        "loss_scale must be positive and finite \\(got 0.0\\)": lambda: zero.initialize(
+        "loss_scale must be positive and finite in fp32 \\(got 0.0\\)": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.SGD, stage=1, param_dtype=torch.float16,
             loss_scale=zero.DynamicLossScale(init_scale=0.0), lr=0.1),
-        "loss_scale must be positive and finite \\(got inf\\)": lambda: zero.initialize(
+        "loss_scale must be positive and finite in fp32 \\(got inf\\)": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.SGD, stage=1, param_dtype=torch.float16, loss_scale=math.inf, lr=0.1),
+        # rounded to fp32, where the scale is held: 0 (NaN weights, every step reported taken), inf (every step skipped)
+        "loss_scale must be positive and finite in fp32 \\(got 1e-46\\)": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.SGD, stage=1, param_dtype=torch.float16, loss_scale=1e-46, lr=0.1),
+        "loss_scale must be positive and finite in fp32 \\(got 1e\\+39\\)": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.SGD, stage=1, param_dtype=torch.float16, lr=0.1,
+            loss_scale=zero.DynamicLossScale(init_scale=1e39)),
+        # True meant "scaling on" and was a static scale of 1: fp16 gradients underflowed unscaled
+        "loss_scale must be a number or a zero.DynamicLossScale \\(got bool\\): zero.DynamicLossScale\\(\\) for "
+        "dynamic scaling": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.SGD, stage=1, param_dtype=torch.float16, loss_scale=True, lr=0.1),
+        # a start below min_scale (1.0 by default) was raised to min_scale by the backoff at the first overflow
+        "^DynamicLossScale\\(init_scale=0.5.*\\): .* min_scale from 0 to init_scale": lambda: zero.initialize(
+            nn.Linear(2, 2), torch.optim.SGD, stage=1, param_dtype=torch.float16, lr=0.1,
+            loss_scale=zero.DynamicLossScale(init_scale=0.5)),
         # (a backoff above 1 grew the scale at each overflow, a growth below 1 shrank it at each clean step)
         "growth_factor must be above 1, backoff_factor between 0 and 1": lambda: zero.initialize(
             nn.Linear(2, 2), torch.optim.SGD, stage=1, param_dtype=torch.float16, lr=0.1,

@@ -2411,16 +2411,20 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
     for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"{name} must be torch.float32, torch.bfloat16 or torch.float16 (got {dtype})")
-    if loss_scale is not None and not isinstance(loss_scale, (int, float, DynamicLossScale)):
-        raise TypeError(f"loss_scale must be a number or a zero.DynamicLossScale (got {type(loss_scale).__name__})")
+    if loss_scale is not None and (isinstance(loss_scale, bool) or  # (True would be a static scale of 1)
+                                   not isinstance(loss_scale, (int, float, DynamicLossScale))):
+        raise TypeError(f"loss_scale must be a number or a zero.DynamicLossScale (got {type(loss_scale).__name__}): "
+                        f"zero.DynamicLossScale() for dynamic scaling, the default under fp16")
     scale = loss_scale.init_scale if isinstance(loss_scale, DynamicLossScale) else loss_scale
-    if scale is not None and not 0 < scale < math.inf:  # (0: every gradient 0, then unscaled by 1/0 into NaN)
-        raise ValueError(f"loss_scale must be positive and finite (got {scale!r}): a number for a static scale, "
-                         f"zero.DynamicLossScale() for a dynamic one (DeepSpeed's loss_scale=0)")
+    # held in fp32, as GradScaler's: one that rounds to 0 makes every gradient 0, unscaled by 1/0 into NaN
+    if scale is not None and not 0 < _fp32(scale) < math.inf:
+        raise ValueError(f"loss_scale must be positive and finite in fp32 (got {scale!r}): a number for a static "
+                         f"scale, zero.DynamicLossScale() for a dynamic one (DeepSpeed's loss_scale=0)")
     dynamic = loss_scale if isinstance(loss_scale, DynamicLossScale) else None
-    if dynamic and not (dynamic.growth_factor > 1 and 0 < dynamic.backoff_factor < 1 and dynamic.min_scale >= 0):
+    if dynamic and not (dynamic.growth_factor > 1 and 0 < dynamic.backoff_factor < 1 and
+                        0 <= dynamic.min_scale <= dynamic.init_scale):
         raise ValueError(f"{loss_scale}: growth_factor must be above 1, backoff_factor between 0 and 1 and min_scale "
-                         f"0 or more (else the scale grows on overflow or shrinks on clean steps)")
+                         f"from 0 to init_scale (else the scale grows on overflow or shrinks on clean steps)")
     seconds = check_timeout.total_seconds() if isinstance(check_timeout, datetime.timedelta) else check_timeout
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
         raise ValueError(f"check_timeout must be a positive number of seconds or a datetime.timedelta (got "
