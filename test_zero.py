@@ -2062,6 +2062,53 @@ def test_training_after_a_backward_that_raised_matches_skipping_the_batch(world,
         assert growth(got_live) == growth(want_live), (got_live, want_live)
 
 
+class ThreeLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, use_c, bad=False):
+        h = self.a(x)
+        if bad:
+            h.register_hook(_raise_bad_batch)
+        h = self.b(h)
+        return (h + self.c(h) if use_c else h).sum()
+
+
+def on_rank_backward_that_raised_past_a_layer_one_rank_skips(stage, bucket_numel, skip_bad):
+    """4 steps, layer c used on rank 0 only (stages 0-2 allow it); step 1's backward raises on every rank below
+    c and b, is caught and zero_grad() ends it, or (skip_bad) the batch is skipped. The full state at the end."""
+    torch.manual_seed(0)
+    model, opt = zero.initialize(ThreeLinears(), torch.optim.SGD, stage=stage, bucket_numel=bucket_numel, lr=0.1)
+    for step in range(4):
+        if step == 1 and skip_bad:
+            continue
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        try:
+            model(x, use_c=dist.get_rank() == 0, bad=step == 1).backward()
+        except BadBatch:
+            opt.zero_grad()
+            continue
+        opt.step()
+        opt.zero_grad()
+    return zero.full_state_dict(model)
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("bucket_numel", [16, 128])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_backward_that_raised_past_a_layer_one_rank_skips_ends_on_every_rank(world, stage, bucket_numel):
+    """Rank 0, which used c, reduced c's bucket and those after it before the error; rank 1 waits for c's gradient
+    until backward's end, which never came. zero_grad() starts every rank's reductions not yet started, in the
+    order, so they pair up: the run then equals one that skipped the batch. (Rank 1 started none: its next step's
+    collectives met rank 0's pending ones, a hang with buckets of 16 elements and a size-mismatch abort with 128.)"""
+    got = world(2).run(on_rank_backward_that_raised_past_a_layer_one_rank_skips, stage, bucket_numel, False,
+                       timeout=60)
+    want = world(2).run(on_rank_backward_that_raised_past_a_layer_one_rank_skips, stage, bucket_numel, True)
+    for a, b in zip(got, want):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (a, b)
+
+
 def on_rank_backward_after_one_that_raised_without_zero_grad(stage):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, 1))

@@ -1106,6 +1106,8 @@ class GradientBuckets:
 
     def zero_grad(self):
         if self.in_backward:  # a backward that raised never reached its end: end it, dropping its gradients
+            if self.for_params:  # every rank starts the reductions it has not, in the order, to pair with those
+                self._reduce_the_rest()  # a rank further along started (a layer only it used)
             for k, (work, *_) in self.in_reduction:
                 self.partition.wait(work)  # its send buffer may be the full gradient, which the next backward writes
             self.on_backward_end()  # stage 3: the groups it gathered are freed, its counts reset
@@ -1274,10 +1276,7 @@ class GradientBuckets:
         filled_all = self.in_backward and len(self.filled) == len(self.order) and not self.skipped
         if filled_all and self.first_filled is None:
             self.first_filled = list(self.filled)
-        for i in range(self.n_trainable):
-            if not self.used[i] and i not in self.skipped:  # unused on this rank: it contributes zeros
-                self._skip(i)
-        self._reduce_ready_buckets()
+        self._reduce_the_rest()
         while self.in_reduction:
             self._finish_reduction()
         # As with DDP's find_unused_parameters=True, a parameter no rank used in any micro-batch keeps no gradient.
@@ -1288,6 +1287,13 @@ class GradientBuckets:
         self.on_backward_end()
         self.micro_batches += 1
         self._new_backward()
+
+    def _reduce_the_rest(self):
+        """Start every bucket's reduction not started yet, in the order: a gradient that did not come is zeros."""
+        for i in range(self.n_trainable):
+            if not self.used[i] and i not in self.skipped:  # unused on this rank: it contributes zeros
+                self._skip(i)
+        self._reduce_ready_buckets()
 
     def _agree_on_order(self):
         """From the step after the first backward that filled every bucket on rank 0, reduce in that backward's
