@@ -2109,6 +2109,38 @@ def test_a_backward_that_raised_past_a_layer_one_rank_skips_ends_on_every_rank(w
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (a, b)
 
 
+def on_rank_interleaved_micro_batches_with_a_dropped_layer(stage, find_unused):
+    """F0 F1 B0 F2 B1 B2, micro-batches 0 and 1 using layer c, 2 dropping it (every rank alike): c.weight after the
+    step, or the error."""
+    torch.manual_seed(0)
+    model, opt = zero.initialize(ThreeLinears(), torch.optim.SGD, stage=stage, bucket_numel=32, lr=0.1,
+                                 find_unused_parameters=find_unused)
+    x = [torch.randn(4, 8, generator=torch.Generator().manual_seed(m + 10 * dist.get_rank())) for m in range(3)]
+    try:
+        out0, out1 = model(x[0], use_c=True), model(x[1], use_c=True)
+        out0.backward()
+        out2 = model(x[2], use_c=False)
+        out1.backward()
+        out2.backward()
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return zero.full_state_dict(model)["c.weight"]
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_interleaved_micro_batches_with_find_unused_parameters_are_named(world, stage):
+    """B1 goes through F1's graph, which reaches c; the walk since the last backward is F2's, which does not, so c
+    was taken as unused and its gradient refused, naming only a loss that reads a weight outside the forward. The
+    error names the schedule and its fix; without the walk the step runs."""
+    error, _ = world(2).run(on_rank_interleaved_micro_batches_with_a_dropped_layer, stage, True)
+    print(error)
+    assert "micro-batches in flight at once" in error and "use find_unused_parameters=False" in error, error
+    stepped = world(2).run(on_rank_interleaved_micro_batches_with_a_dropped_layer, stage, False)
+    assert all(torch.is_tensor(w) for w in stepped), stepped
+
+
 def on_rank_backward_after_one_that_raised_without_zero_grad(stage):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, 1))

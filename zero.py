@@ -1222,7 +1222,9 @@ class GradientBuckets:
             raise RuntimeError(f"parameter {self.partition.names[p]} got a gradient though the graph of the forward "
                                f"output did not reach it, so find_unused_parameters=True took it as unused: it is "
                                f"read outside the forward (a loss reading model.head.weight): return what the loss "
-                               f"needs from the forward")
+                               f"needs from the forward; or this backward is of a forward run before the previous "
+                               f"backward (micro-batches in flight at once), whose walk that backward used up: "
+                               f"there, use find_unused_parameters=False")
         if self.used[i]:  # its bucket may be reduced already: the second part would be lost
             raise RuntimeError(f"parameter {self.partition.names[p]} got a gradient twice in one backward: a "
                                f"module called more than once inside torch.utils.checkpoint(use_reentrant=True) (or "
