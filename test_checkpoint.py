@@ -663,12 +663,16 @@ def on_rank_save(path, stage):
     zero.save_checkpoint(path, model, opt)
 
 
-def on_rank_save_syncing(path):
-    """The paths save_checkpoint fsyncs, in order (os.fsync recorded through /proc's name of each descriptor)."""
+def on_rank_save_syncing(path, directories_refused=False):
+    """The paths save_checkpoint fsyncs, in order (os.fsync recorded through /proc's name of each descriptor);
+    directories_refused: fsync of a directory raises EINVAL, as on file systems that cannot sync one."""
+    import errno
     synced, fsync = [], os.fsync
 
     def recording(fd):
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        if directories_refused and os.path.isdir(synced[-1]):
+            raise OSError(errno.EINVAL, "Invalid argument")
         fsync(fd)
 
     model, opt = make(1)
@@ -684,17 +688,21 @@ def on_rank_save_syncing(path):
 @pytest.mark.xdist_group("world1")
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fd through /proc (Linux)")
 def test_a_saved_checkpoint_is_on_disk_when_save_returns(world, tmp_path):
-    """Every file, the directory's entries and the rename into place are fsynced: a power loss after the return
-    cannot leave a checkpoint directory without its manifest or with empty files."""
-    path = tmp_path / "ckpt"
+    """Every file, the directory's entries, the rename into place and the directories the save made above it
+    (train.py's first save into a new --save_dir) are fsynced: a power loss after the return cannot leave a
+    checkpoint directory without its manifest or with empty files. Where a file system cannot sync a directory
+    (EINVAL), the save goes on."""
+    path = tmp_path / "run" / "ckpt"
     synced, = world(1).run(on_rank_save_syncing, str(path))
     print(synced)
     partial = f"{path}.partial"
     files = {f"{partial}/{name}" for name in ["rank0.weights.bin", "rank0.exp_avg.bin", "rank0.exp_avg_sq.bin",
                                               "rank0.rest.pt", "scalars.pt", "manifest.json"]}
     assert files <= set(synced)
-    assert synced[-3:] == [f"{partial}/manifest.json", partial, str(tmp_path)], synced
+    assert synced[-4:] == [f"{partial}/manifest.json", partial, str(path.parent), str(tmp_path)], synced
     assert sorted(os.listdir(path)) == sorted(pathlib.Path(f).name for f in files)
+    world(1).run(on_rank_save_syncing, str(tmp_path / "other"), True)
+    assert (tmp_path / "other" / "manifest.json").is_file()
 
 
 def damage(path, how):

@@ -593,6 +593,30 @@ def test_memory_hooks_keep_each_modules_activations_as_torch_does(world, stage, 
         assert kept == torch_kept, (kept, torch_kept)
 
 
+class LearnedPositions(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(4, 8))
+
+    def forward(self):
+        return self.table  # a leaf, returned as it is
+
+
+def test_memory_hooks_record_one_backward_start_per_backward_of_a_module_returning_its_parameter():
+    """A module that returns its own parameter has no autograd node to hook, so its backward start is hooked on the
+    parameter, which outlives the backward: each recorded step added a hook that fired on every later backward
+    (records 1, 3, 6 after three steps)."""
+    positions = LearnedPositions()
+    memory = zero.MemoryHooks(positions)
+    memory.recording = True
+    counts = []
+    for step in range(3):
+        positions().sum().backward()
+        counts.append(sum(phase == "backward start" for phase, *_ in memory.records))
+    print(f"backward starts recorded after each step: {counts}")
+    assert counts == [1, 2, 3] and not positions.table._backward_hooks, (counts, positions.table._backward_hooks)
+
+
 def test_memory_hooks_kept_by_forward_without_a_recorded_forward_says_so():
     """kept_by_forward for a module with no recorded forward (recording never set, or a name
     that is not a module's) raises a ValueError naming the fix, not a bare StopIteration."""

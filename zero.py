@@ -22,6 +22,7 @@ import collections
 import contextlib
 import copy
 import datetime
+import errno
 import functools
 import gc
 import hashlib
@@ -115,8 +116,11 @@ def _when_backward_reaches(t, fn):
     """Call fn() when backward reaches the node that made t; for a view, its base's node, since an
     in-place op on the view (x = self.fc(x); x.relu_()) takes the view's own node out of the graph."""
     node = (t._base if t._is_view() and t._base.grad_fn is not None else t).grad_fn
-    if node is None:  # a leaf, returned as it is
-        t.register_hook(lambda grad: fn())
+    if node is None:  # a leaf, returned as it is (a parameter: the hook outlives this backward, so it goes once called)
+        def once(grad):
+            handle.remove()
+            fn()
+        handle = t.register_hook(once)
     else:
         node.register_prehook(lambda grad_outputs: fn())
 
@@ -2673,8 +2677,11 @@ def save_checkpoint(path, model, optimizer, **extra):
             raise ValueError(f"every tensor-parallel slice into {path}: each is a checkpoint of its own; give each "
                              f"its own directory, e.g. f'{path}/tp{{tp_rank}}', tp_rank = dist.get_rank(tp_group)")
 
+    made = []  # (rank 0's) the directories above path this save makes: each synced in its parent at the end
+
     def make_partial():
         shutil.rmtree(partial, ignore_errors=True)
+        made.extend(d for d in partial.parents if not d.exists())
         partial.mkdir(parents=True)
 
     _on_rank0(group, f"saving {path}", make_partial)
@@ -2725,10 +2732,15 @@ def save_checkpoint(path, model, optimizer, **extra):
             for synced in (partial / "manifest.json", partial):  # on disk before the name is: a power loss
                 _sync(synced)  # after the return leaves the checkpoint whole, or this save not made
             os.replace(partial, path)  # atomic: the checkpoint appears whole or not at all
-            _sync(path.parent)  # the new name itself
         except BaseException:  # (a full disk): no partial copy of the model is left behind
             shutil.rmtree(partial, ignore_errors=True)
             raise
+        try:  # the new names: path's, and those of the directories made for it
+            for directory in [path.parent] + [d.parent for d in made]:
+                _sync(directory)
+        except OSError as e:  # (the checkpoint is in place, and loads)
+            warnings.warn(f"saved {path}, but its name could not be synced to disk ({e}): a power loss before the "
+                          f"system writes it could take the checkpoint back")
 
     _on_rank0(group, f"saving {path}", publish)
 
@@ -2792,10 +2804,14 @@ def _raw(t):
 
 
 def _sync(path):
-    """fsync a file, or a directory's entries (the names in it)."""
+    """fsync a file, or a directory's entries (the names in it; a file system that cannot, as some network ones,
+    raises EINVAL for a directory: there the names are as safe as it makes them)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL or not os.path.isdir(path):
+            raise
     finally:
         os.close(fd)
 
