@@ -232,7 +232,8 @@ class Server:
         ctx = mp.get_context("spawn")
         self.system, self.nd = system, args.world
         self.inboxes, self.outbox, self.result, self.error = [ctx.Queue() for _ in range(self.nd)], ctx.Queue(), None, None
-        where = {} if nodes is None else nodes.placement()
+        where = dict(setups=[functools.partial(die_with, os.getpid())] * self.nd) if nodes is None else \
+            nodes.placement()
         self.thread = threading.Thread(target=self._run, args=(args, where), daemon=True)
         self.thread.start()
 
@@ -280,8 +281,10 @@ def nodes_problem():
     if missing:
         return f"{' and '.join(missing)} not found"
     probe = f"{PREFIX}{os.getpid()}-probe"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    try:
+        made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    finally:  # (a Ctrl-C here would leave it)
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return f"ip netns add: {made.stderr.strip()}" if made.returncode else None
 
 
@@ -352,7 +355,8 @@ class Nodes:
 
     def remove(self):
         while self.made:  # a namespace's veth ends go with it, and the bridge with its namespace
-            subprocess.run(["ip", "netns", "del", self.made.pop()], capture_output=True)
+            subprocess.run(["ip", "netns", "del", self.made[-1]], capture_output=True)
+            self.made.pop()  # (after: a second Ctrl-C that cuts the deletion short leaves it listed for atexit)
 
     def placement(self):
         """ranks.run_on_ranks's options: rank r in node r, talking over veth<r>, rank 0's store on a
@@ -376,17 +380,26 @@ def remove_stale():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def enter_namespace(name, bench):
-    """Move this process into the network namespace `name` before any socket opens; threads it
-    starts from then on inherit it. Also: die with bench.py (pid `bench`), even of SIGKILL, when
-    Nodes cannot remove anything: a rank waiting for orders would wait forever, keeping its
-    namespace's links alive."""
+def die_with(bench):
+    """A rank's first step: die with bench.py (pid `bench`), even of SIGTERM or SIGKILL, which run no
+    Python there: a rank waiting for orders would wait forever (its queue's pipe is its own too),
+    holding its model and, under --nodes, its namespace's links. Linux only (prctl)."""
     libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "prctl"):
+        return libc
     # PR_SET_PDEATHSIG: SIGKILL when the thread that started this process ends (Server's: it
     # outlives the ranks, waiting for them)
     libc.prctl(1, signal.SIGKILL)
     if os.getppid() != bench:  # bench.py died before prctl: no signal will come
         sys.exit(f"bench.py (pid {bench}) is gone")
+    return libc
+
+
+def enter_namespace(name, bench):
+    """Move this process into the network namespace `name` before any socket opens; threads it
+    starts from then on inherit it (after die_with: Nodes cannot remove the links of a rank that
+    lives on)."""
+    libc = die_with(bench)
     fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
     try:
         if libc.setns(fd, CLONE_NEWNET) != 0:  # Python 3.11 has no os.setns

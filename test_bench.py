@@ -105,6 +105,58 @@ def test_bench_nodes_killed_with_sigkill_leaves_no_rank_and_the_next_run_deletes
             subprocess.run(["ip", "netns", "del", f"zb{run.pid}-{ns}"], capture_output=True)
 
 
+@pytest.mark.slow  # bench.py on loopback run to its ranks' warm-up, then sent SIGTERM
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks die with bench.py through prctl (Linux)")
+def test_bench_terminated_leaves_no_rank_running():
+    """SIGTERM (an orchestrator's, `kill PID`) runs no Python in bench.py's ranks: without --nodes they waited for
+    orders forever, each holding its model (five processes left running, their parent init)."""
+    import signal
+    run = subprocess.Popen([sys.executable, "bench.py", "--model", "tiny", "--batch_size", "2", "--seq_len", "32",
+                            "--steps", "1", "--warmup", "0", "--repeats", "1", "--launches", "1", "--systems", "zero1"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+    children = []
+    try:
+        for line in run.stderr:  # the ranks are up once warmed up
+            if "started and warmed up" in line:
+                break
+        children = subprocess.run(["pgrep", "-P", str(run.pid)], capture_output=True, text=True).stdout.split()
+        run.terminate()
+        run.wait()
+        deadline = time.monotonic() + 120  # (the clock's ranks may still be importing torch: see the test above)
+        while any(os.path.exists(f"/proc/{pid}") for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert children and not [pid for pid in children if os.path.exists(f"/proc/{pid}")], children
+    finally:
+        run.kill()
+        for pid in children:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_nodes_whose_removal_a_second_ctrl_c_cut_short_are_still_listed_for_atexit(monkeypatch):
+    """A namespace leaves Nodes' list once deleted, not before: a Ctrl-C that cuts `ip netns del` short leaves
+    it listed, so the atexit removal deletes it (iproute2 stood in for)."""
+    nodes = bench.Nodes(2, "1gbit")
+    nodes.made = ["zb1-br", "zb1-0"]
+    deleted = []
+
+    def run(cmd, **kwargs):
+        deleted.append(cmd[-1])
+        if len(deleted) == 1:
+            raise KeyboardInterrupt
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    with pytest.raises(KeyboardInterrupt):
+        nodes.remove()
+    assert nodes.made == ["zb1-br", "zb1-0"], nodes.made
+    nodes.remove()  # atexit's
+    assert nodes.made == [] and deleted == ["zb1-0", "zb1-0", "zb1-br"], (nodes.made, deleted)
+
+
 @pytest.mark.parametrize("rate", ["fast", "0mbit"])
 def test_bench_nodes_bad_link_names_the_flag_and_leaves_no_namespace(rate):
     problem = bench.nodes_problem()
