@@ -143,18 +143,21 @@ def load_corpus(path):
 def broadcast_bytes(data, device, piece=2**24):
     """Rank 0's bytes (data; None elsewhere) on every rank, as a uint8 tensor in CPU memory, sent in pieces of at most
     `piece` bytes through one device buffer: a corpus of any size, never whole on the GPU (NCCL sends from there)."""
-    size = torch.tensor([len(data) if data is not None else 0], device=device)
+    sender = data is not None
+    size = torch.tensor([len(data) if sender else 0], device=device)
     dist.broadcast(size, group_src=0)
     if data:
         whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    else:  # (rank 0's empty file: size 0)
+    else:  # the receivers' (and an empty file's: frombuffer takes no empty buffer)
         whole = torch.zeros(size.item(), dtype=torch.uint8)
     buffer = torch.empty(min(piece, len(whole)), dtype=torch.uint8, device=device)
     for lo in range(0, len(whole), piece):
         part = buffer[:min(piece, len(whole) - lo)]
-        part.copy_(whole[lo:lo + len(part)])  # (on ranks other than 0 overwritten by the broadcast)
+        if sender:
+            part.copy_(whole[lo:lo + len(part)])
         dist.broadcast(part, group_src=0)
-        whole[lo:lo + len(part)] = part
+        if not sender:
+            whole[lo:lo + len(part)] = part
     return whole
 
 
