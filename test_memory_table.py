@@ -216,15 +216,23 @@ WORLDS = [pytest.param(nd, marks=pytest.mark.xdist_group(f"world{nd}")) for nd i
 @pytest.mark.parametrize("nd", [WORLDS[0], pytest.param(4, marks=[pytest.mark.xdist_group("world4"),
                                                                     pytest.mark.slow])])
 @pytest.mark.parametrize("dtype, sizes", [("fp32", (4, 4, 8)), ("bf16", (2, 2, 12))])
-def test_measured_model_states_match_the_formula_within_1_percent(world, nd, dtype, sizes):
+def test_measured_model_states_match_the_formula(world, nd, dtype, sizes):
     """fp32: 4-byte parameters and gradients, K = 8 (momentum, variance); bf16: 2 + 2 bytes and K = 12
     (fp32 master, momentum, variance). Above the formula only by padding (< zero.ALIGN x Nd elements
-    per run of buckets) and AdamW's 4-byte step counter per parameter piece."""
+    per run of buckets, at most a run per parameter at stage 3), stage 3's one-element NaN stand-ins of
+    freed parameters, the used-parameter flags backward makes (int32, one per trainable parameter and one
+    more: counted with the gradients) and AdamW's 4-byte step counter per parameter piece (at most one
+    per parameter on a rank, the buckets being larger than the model)."""
+    n_params = len(list(GPT(PRESETS["tiny"], device="meta").parameters()))
+    padding = zero.ALIGN * nd * n_params  # elements, at most
     for stage in (1, 2, 3):
         for rank, (psi, split, activations, _) in enumerate(world(nd).run(mt.measure_on_rank, stage, dtype, "tiny")):
             expected = section5_terms(psi, nd, stage, *sizes)
-            for what, got, want in zip(("parameters", "gradients", "optimizer states"), split, expected):
-                assert want <= got < 1.01 * want, (stage, rank, what, got, want)
+            slack = (sizes[0] * (padding + n_params), sizes[1] * padding + 4 * (n_params + 1),
+                     sizes[2] * padding + 4 * n_params)
+            for what, got, want, over in zip(("parameters", "gradients", "optimizer states"), split, expected, slack):
+                print(f"stage {stage} rank {rank} {what}: {got} bytes, Section 5 {want:.0f}, slack {over}")
+                assert want <= got <= want + over, (stage, rank, what, got, want)
             assert activations > 0
 
 
@@ -247,9 +255,10 @@ def on_rank_frozen_body_bytes(stage, dtype):
 def test_frozen_parameters_hold_no_gradient_or_optimizer_state(world, dtype):
     """Gradients and optimizer states are laid out for the trainable parameters alone: Section 5 with Ψ split
     into Ψ_f frozen (its parameters only; with param_dtype also its fp32 values, in the master, so that a
-    checkpoint gives them back as loaded: 4Ψ_f, over Nd at stages 1-3) and Ψ_t trainable, within 1% (padding,
-    AdamW's step counters)."""
+    checkpoint gives them back as loaded: 4Ψ_f, over Nd at stages 1-3) and Ψ_t trainable, above it only by
+    padding (< zero.ALIGN x Nd elements per run, a run per parameter at most) and AdamW's step counters."""
     nd, (pb, master) = 2, (4, 0) if dtype is None else (2, 4)
+    padding, n_params = zero.ALIGN * nd * 4, 4  # elements, at most; the two Linears' weights and biases
     for stage in (0, 1, 2, 3):
         frozen, trainable, grads, got = world(nd).run(on_rank_frozen_body_bytes, stage, dtype)[0]
         share = [1, nd if stage >= 1 else 1, nd if stage >= 2 else 1, nd if stage == 3 else 1]  # K, -, grads, params
@@ -257,8 +266,8 @@ def test_frozen_parameters_hold_no_gradient_or_optimizer_state(world, dtype):
                 + master * (frozen + trainable) / share[1])
         print(f"stage {stage}: gradient elements {grads} for Ψ_t {trainable} (Ψ_f {frozen}); bytes {got}, "
               f"Section 5 {want:.0f} ({got / want:.4f}x)")
-        assert trainable / share[2] <= grads < 1.01 * trainable / share[2], (stage, grads)
-        assert want <= got < 1.01 * want, (stage, got, want)
+        assert trainable / share[2] <= grads <= trainable / share[2] + padding, (stage, grads)
+        assert want <= got <= want + (2 * pb + 8 + master) * padding + 4 * n_params, (stage, got, want)
 
 
 def tiny_odd_config():

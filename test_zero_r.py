@@ -99,11 +99,15 @@ def schedule_grads(mode, width, schedule, layout=None):
     """Parameter gradients after running `schedule`, ("F", i): forward of micro-batch i, ("B", i)
     its backward, through 3 checkpointed blocks of `width` (mode None: no checkpointing); the first
     block's input transposed, strided (every other element of a row twice as wide), or sliced (rows 1-3 of a
-    batch of 4: a dense tensor starting 5 x width x 4 bytes into its storage)."""
+    batch of 4: a dense tensor starting 5 x width x 4 bytes into its storage). Also, per block, where each
+    input its Linear read (the forward's, then the recomputation's) starts past a 64-byte line."""
     torch.manual_seed(0)
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(3))
     if mode is not None:
         zero.checkpoint_activations(blocks, **SINGLE[mode])
+    offsets = [[] for _ in blocks]
+    for b, seen in zip(blocks, offsets):
+        b[0].register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[0].data_ptr() % 64))
     losses = {}
     for op, i in schedule:
         if op == "F":
@@ -116,7 +120,7 @@ def schedule_grads(mode, width, schedule, layout=None):
             losses[i] = x.pow(2).sum()
         else:
             losses.pop(i).backward()
-    return [p.grad for p in blocks.parameters()]
+    return [p.grad for p in blocks.parameters()], offsets
 
 
 @pytest.mark.parametrize("mode", SINGLE)
@@ -129,13 +133,17 @@ def test_checkpointing_is_exact_in_any_schedule_width_and_layout(mode, case):
     recomputed in its own layout. strided: one with gaps between its elements (a slice) too (see
     the next test). sliced: a micro-batch sliced from a batch, starting 5 x 7 x 4 = 140 bytes
     into its storage, 12 past a 64-byte line, is recomputed from a copy starting 12 bytes past one too.
-    Gradients torch.equal to no checkpointing."""
+    Gradients torch.equal to no checkpointing. On this CPU the kernels here give the same bits at any
+    offset, so the alignment is also asserted directly: each recomputation's input starts where its
+    forward's did, relative to a 64-byte line."""
     schedule = [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)] \
         if case == "interleaved" else [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
     width = 7 if case in ("unaligned", "sliced") else 16
     layout = case if case in ("transposed", "strided", "sliced") else None
-    want, got = (schedule_grads(m, width, schedule, layout) for m in (None, mode))
+    (want, _), (got, offsets) = (schedule_grads(m, width, schedule, layout) for m in (None, mode))
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), max((a - b).abs().max().item() for a, b in zip(got, want))
+    print(f"offsets past a 64-byte line, per block (forwards, then recomputations): {offsets}")
+    assert all(len(seen) == len(schedule) and len(set(seen)) == 1 for seen in offsets), offsets
 
 
 class RowNormalized(nn.Module):

@@ -646,7 +646,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.owned = owned = [(partition.flat_range(k), partition.flat_range(k)) if gradients.replicate else
                               (partition.chunk(k), partition.own(k)) for k in range(len(partition.buckets))]
         self.own_numel = sum(o.stop - o.start for f, o in owned)
-        self.n_trainable = sum(p.requires_grad for p in partition.params)
+        self.n_trainable = gradients.n_trainable
         # A parameter's pieces in consecutive buckets lie end to end in own space: where the optimizer steps
         # own-space tensors (fp32 master, stage 3's shard) they merge into one per parameter.
         merge = precision.master_dtype is not None or parameters.in_own_space
@@ -781,7 +781,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.gradients.micro_batches == 0:  # no backward yet: 0, nothing to clip
             return torch.zeros((), dtype=self.weights_dtype, device=self.partition.device)
         self._reduce()
-        used = self.gradients.used_anywhere
+        used = self.gradients.read_flags()
         like = torch.empty(0, dtype=self.weights_dtype, device=self.partition.device)
         norms = like.new_zeros(self.n_trainable)
         if self.gradients.replicate:  # every gradient is whole here, in flat order (stage 0)
@@ -917,8 +917,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError("torch.amp.GradScaler cannot see zero's gradients (p.grad stays None): drop it, pass "
                                "loss_scale=zero.DynamicLossScale(growth_interval=2000, min_scale=0.0) to "
                                "zero.initialize and call optimizer.backward(loss), which scales as GradScaler does")
-        self.parameters.wait()  # stages 1-2: last step's all-gather, if no forward waited for it
-        self._refuse_lost_writes()
+        self._refuse_lost_writes(record=True)
         self._reduce()
         self.gradients.stepped = True  # this step's gradients are used: the next backward needs zero_grad()
         if self.overflow:  # (loss scaling only) skipped on every rank, the scale backed off
@@ -926,7 +925,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.loss_scale, self.clean_steps = _fp32(max(self.loss_scale * s.backoff_factor, s.min_scale)), 0
             self._free_grads()
             return False
-        used = self.gradients.used_anywhere
+        used = self.gradients.read_flags()
         for window in self.windows:  # each piece steps once, on its own state: the bits of one whole step
             lo, hi = window[0][0].own.start, window[-1][0].own.stop
             grads = self._grad(slice(lo, hi), last=True)
@@ -965,10 +964,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.versions = versions
         return written
 
-    def _refuse_lost_writes(self, record=True):
-        """Refuse what the step would lose: a parameter registered after zero.initialize or given new storage, an
-        in-place write (WGAN's p.clamp_()) where the weights stepped are an fp32 master or stage 3's shard.
-        full_state_dict and save_checkpoint call it with record=False, so that the step still raises."""
+    def _refuse_lost_writes(self, record=False):
+        """Before step() or a call that reads the weights (full_state_dict, save_checkpoint): wait for stages 1-2's
+        all-gather, then refuse what the step would lose: a parameter registered after zero.initialize or given new
+        storage, an in-place write (WGAN's p.clamp_()) where the weights stepped are an fp32 master or stage 3's
+        shard. Only step() records the versions anew (record=True): after the other calls the step still raises."""
+        self.parameters.wait()  # stages 1-2: last step's all-gather, if no forward waited for it
         module = self.module()
         # (a parameter another zero model laid out is stepped by that model's optimizer)
         added = [n for n, p in module.named_parameters() if p.requires_grad and p not in self.partition.index
@@ -991,11 +992,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"rank {self.partition.rank}: {written[:3]} were written in place since the last "
                                f"step, but {why}: set the values before zero.initialize, restore them with "
                                f"zero.load_checkpoint, or write them between steps at stages 0-2 without param_dtype")
-
-    def _settle(self):
-        """Before a call reads the weights: wait for stages 1-2's all-gather, refuse writes the call would miss."""
-        self.parameters.wait()
-        self._refuse_lost_writes(record=False)
 
     def _free_grads(self):
         """The step's gradients are used (or dropped): the next step reduces and clips anew."""
@@ -1052,9 +1048,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         keys_of = {n: v for _, ks in everyone for n, v in ks.items()}
         return sorted(set().union(*keys_of.values())), scalars, keys_of
 
-    def _own_state(self, key, s):
-        """Optimizer state `key` over slice s of the own space, zeros where no piece has it."""
-        own = torch.zeros(s.stop - s.start, dtype=self.weights_dtype, device=self.partition.device)
+    def own_chunk(self, k):
+        """Where this rank's chunk of bucket k lies in its own space (stage 0: own space is the flat space)."""
+        return self.partition.chunk(k) if self.gradients.replicate else self.partition.own(k)
+
+    def _saved_chunk(self, key, k):
+        """This rank's chunk of bucket k of the weights (fp32 master, else parameters) or of optimizer state `key`
+        (zeros where no piece has it)."""
+        part, s = self.partition, self.own_chunk(k)
+        if key == "weights":
+            return self.master[s] if self.master is not None else self.parameters.owned(part.chunk(k), s)
+        own = torch.zeros(s.stop - s.start, dtype=self.weights_dtype, device=part.device)
         i = max(bisect.bisect_right(self.pieces, s.start, key=lambda piece: piece.own.start) - 1, 0)
         while i < len(self.pieces) and self.pieces[i].own.start < s.stop:
             piece, state = self.pieces[i], self.optim.state.get(self.weights[i], {})
@@ -1063,17 +1067,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 own[lo - s.start:hi - s.start] = state[key][lo - piece.own.start:hi - piece.own.start]
             i += 1
         return own
-
-    def own_chunk(self, k):
-        """Where this rank's chunk of bucket k lies in its own space (stage 0: own space is the flat space)."""
-        return self.partition.chunk(k) if self.gradients.replicate else self.partition.own(k)
-
-    def _saved_chunk(self, key, k):
-        """This rank's chunk of bucket k of the weights (fp32 master, else parameters) or of state `key`."""
-        part, own = self.partition, self.own_chunk(k)
-        if key != "weights":
-            return self._own_state(key, own)
-        return self.master[own] if self.master is not None else self.parameters.owned(part.chunk(k), own)
 
 
 # -----------------------------------------------------------------------------------------
@@ -1121,7 +1114,7 @@ class GradientBuckets:
         self.finished, self.stepped = False, False  # finished: reduced by a clip or step(); stepped: step() used them
         self._new_backward()
 
-    def _read_flags(self):
+    def read_flags(self):
         """Wait for each backward's flags: the parameters some rank used, and whether rank 0 filled every bucket.
         Returns which parameters some rank used in some backward of this step."""
         for work, used in self.used_flags:
@@ -1131,8 +1124,6 @@ class GradientBuckets:
             self.order_seen = self.order_seen or seen
         self.used_flags = []
         return self.used_so_far
-
-    used_anywhere = property(_read_flags)
 
     def _new_backward(self):
         self.used = [False] * self.n_trainable  # this rank's gradient arrived, this backward
@@ -1316,7 +1307,7 @@ class GradientBuckets:
         if self.micro_batches == 0:
             self._finish_backward()
         if not self.order_agreed:
-            self._read_flags()
+            self.read_flags()
             if self.order_seen:
                 self._agree_on_order()
         self.finished = True
@@ -1643,12 +1634,9 @@ class ShardedParameters:
     def _free(self, g):
         self._wait_gathered(g)  # never under an all-gather still writing (a gather that raised midway)
         if self._gathered(g):  # (freed already: its parameters are stand-ins)
-            self._drop(g)
-
-    def _drop(self, g):
-        self.buffers[g].untyped_storage().resize_(0)
-        for p, view, stand_in in self.views[g]:
-            p.data = stand_in
+            self.buffers[g].untyped_storage().resize_(0)
+            for p, view, stand_in in self.views[g]:
+                p.data = stand_in
 
     @staticmethod
     def _refuse_state_dict(module, prefix, keep_vars):
@@ -1658,35 +1646,34 @@ class ShardedParameters:
 
     def _gather(self, gids, prefetch=False):
         """Gather groups gids (prefetch: leave the all-gathers in flight; else they are in use, no longer ahead)."""
-        part = self.partition
         for g in gids:
-            buf = self.buffers[g]
-            if not prefetch:  # prefetched: wait for its all-gathers
-                self._wait_gathered(g)
-            if buf.numel() == 0 or self._gathered(g):
-                continue  # gathered already (or on its way)
-            moved = [self.partition.names[p] for p, view, stand_in in self.views[g] if not self.holds(p)]
-            if moved:  # the gather would replace it with the shard's values
-                raise RuntimeError(f"stage 3: parameters {moved[:3]} of {self.names[g]} were given new storage "
-                                   f"(p.data = t, vector_to_parameters) outside its forward, so the gather would lose "
-                                   f"their values: rebuild the model and set the values before zero.initialize")
-            self._check_same_group(g)
-            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-            start = part.buckets[self.group_buckets[g][0]].start
-            # one all-gather per bucket k: every rank's chunk (chunk,) -> buf's slice (chunk * nd,), each rank
-            # sending its chunk to nd - 1; recorded in in_flight as it starts: _free waits for it, whatever raises
-            works = self.in_flight[g] = [None] * len(self.group_buckets[g])
-            try:
-                for i, k in enumerate(self.group_buckets[g]):
-                    works[i] = part.all_gather(buf[part.flat_range(k).start - start:part.flat_range(k).stop - start],
-                                               self.shard[part.own(k)])
-            except BaseException:  # not all started: freed once those that did end, never taken for gathered
-                self._free(g)
-                raise
+            if self.buffers[g].numel() and not self._gathered(g):  # (else gathered already, or on its way)
+                self._start_gather(g)
             if not prefetch:  # prefetched: waited for when the group is used
                 self._wait_gathered(g)
         if not prefetch:  # (see _prefetch)
             self.ahead.difference_update(gids)
+
+    def _start_gather(self, g):
+        part, buf = self.partition, self.buffers[g]
+        moved = [part.names[p] for p, view, stand_in in self.views[g] if not self.holds(p)]
+        if moved:  # the gather would replace it with the shard's values
+            raise RuntimeError(f"stage 3: parameters {moved[:3]} of {self.names[g]} were given new storage "
+                               f"(p.data = t, vector_to_parameters) outside its forward, so the gather would lose "
+                               f"their values: rebuild the model and set the values before zero.initialize")
+        self._check_same_group(g)
+        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        start = part.buckets[self.group_buckets[g][0]].start
+        # one all-gather per bucket k: every rank's chunk (chunk,) -> buf's slice (chunk * nd,), each rank
+        # sending its chunk to nd - 1; recorded in in_flight as it starts: _free waits for it, whatever raises
+        works = self.in_flight[g] = []
+        try:
+            for k in self.group_buckets[g]:
+                works.append(part.all_gather(buf[part.flat_range(k).start - start:part.flat_range(k).stop - start],
+                                             self.shard[part.own(k)]))
+        except BaseException:  # not all started: freed once those that did end, never taken for gathered
+            self._free(g)
+            raise
 
     def _check_same_group(self, g):
         """Before each gather the ranks meet at group g (FlatPartition.meet): a branch some ranks take is an error, not
@@ -1713,13 +1700,12 @@ class ShardedParameters:
         works = self.in_flight[g]
         try:
             while works:
-                if works[0] is not None:  # (None: its start raised)
-                    self.partition.wait(works[0])
+                self.partition.wait(works[0])
                 works.pop(0)
         except Exception:
-            if all(w is None or w.is_completed() for w in works):
+            if all(w.is_completed() for w in works):
                 self.in_flight.pop(g)
-                self._drop(g)
+                self._free(g)  # (out of in_flight: drops it at once)
             raise
         for p, view, stand_in in self.views[g]:  # (before it leaves in_flight: an interrupt between the two
             p.data = view  # would leave it gathered with stand-ins)
@@ -2207,9 +2193,8 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
     stage3_units = list(stage3_units or ())  # (it may be a generator: read once)
     _check(module, optimizer_class, stage, group, param_groups, bucket_numel, param_dtype, reduce_dtype,
            loss_scale, prefetch, reduction, init_fn, device, tp_group, optimizer_kwargs, check_timeout)
-    params = list(module.parameters())  # unique: a tied weight is listed once
-    trainable, frozen = [p for p in params if p.requires_grad], [p for p in params if not p.requires_grad]
-    params = trainable + frozen
+    # unique (a tied weight is listed once), the trainable ones first (stable: in module order within each kind)
+    params = sorted(module.parameters(), key=lambda p: not p.requires_grad)
     precision = Precision(param_dtype or params[0].dtype, reduce_dtype or param_dtype or params[0].dtype)
     if not params[0].is_meta:
         device = params[0].device
@@ -2217,11 +2202,9 @@ def initialize(module, optimizer_class, stage, group=None, param_groups=None, bu
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     groups, hooks, shared = gather_groups(module, stage3_units)  # (checked at every stage: one call serves all)
-    if stage < 3:  # the trainable parameters in module order, then the frozen ones
-        runs = [(trainable, True), (frozen, False)]
-    else:  # group by group, as stage 3 gathers them
-        runs = [([p for p in members if p.requires_grad == wants_grad], wants_grad)
-                for members in groups for wants_grad in (True, False)]
+    # the trainable parameters, then the frozen ones: of the whole module, or (stage 3) of each group it gathers
+    runs = [([p for p in members if p.requires_grad == wants_grad], wants_grad)
+            for members in (groups if stage == 3 else [params]) for wants_grad in (True, False)]
     bucket_numel = bucket_numel or default_bucket_numel(dist.get_world_size(group))
     unit_names = {m: name for name, m in module.named_modules()}
     names = {p: name for name, p in module.named_parameters()}
@@ -2600,7 +2583,7 @@ def full_state_dict(module):
     keyed as module.state_dict(), the same on every rank of the data-parallel group (each tp rank gets its slices).
     A collective. Gathered a bucket at a time: the device holds one bucket more."""
     opt, module = _engine(module)
-    _all_ranks_call(opt, "full_state_dict", opt._settle)
+    _all_ranks_call(opt, "full_state_dict", opt._refuse_lost_writes)
     # the weights whole: stages 0-2's flat buffer as it is, else the fp32 master or stage 3's shard, gathered
     flat = opt._to_flat("weights") if opt.master is not None or opt.parameters.in_own_space else opt.parameters.flat
     part, state = opt.partition, {}
@@ -2662,7 +2645,7 @@ def save_checkpoint(path, model, optimizer, **extra):
     (opt, model), path = _engine(model, optimizer), pathlib.Path(path)
 
     def checks():
-        opt._settle()
+        opt._refuse_lost_writes()
         if path.exists():
             raise FileExistsError(f"{path} exists: save each checkpoint into a new directory (e.g. step_000100)")
         _refuse_pending_gradients(opt, "save_checkpoint", "they are not saved")
@@ -2695,7 +2678,7 @@ def save_checkpoint(path, model, optimizer, **extra):
                 for k in sorted(range(len(part.buckets)), key=lambda k: part.buckets[k].own):
                     _raw(opt._saved_chunk(key, k)).tofile(f)
             _seal(partial, files, name)
-        buffers, extra_states = _persistent_buffers(model), _extra_states(model)
+        buffers, extra_states = _buffers_and_extra_states(model)
         _loadable(extra_states, "a module's get_extra_state()")
         rest = f"rank{part.rank}.rest.pt"
         files[rest] = {"rng": torch.get_rng_state(), "extra": extra, "buffers": buffers, "persistent": list(buffers),
@@ -2715,8 +2698,7 @@ def save_checkpoint(path, model, optimizer, **extra):
                                     f"lists and str-keyed dicts of them")
     except Exception as e:  # every rank learns of it: none may wait for a rank that failed
         error = f"rank {part.rank}: {type(e).__name__}: {e}"
-    everyone = [None] * part.nd
-    dist.all_gather_object(everyone, (error, {} if error else files), group=group)  # files: name -> [bytes, sha256]
+    everyone = part.all_gather_object((error, {} if error else files))  # files: name -> [bytes, sha256]
     if any(err for err, _ in everyone):
         if part.rank == 0:  # every rank is done writing into it
             shutil.rmtree(partial, ignore_errors=True)
@@ -2771,15 +2753,12 @@ def _is_extra(name):
     return name == EXTRA or name.endswith("." + EXTRA)
 
 
-def _extra_states(model):
-    """{state_dict key: value} of each module's get_extra_state(), under each of its names."""
-    return {name: value for name, value in model.state_dict(keep_vars=True).items() if _is_extra(name)}
-
-
-def _persistent_buffers(model):
-    """{name: buffer} of the buffers a state_dict holds (not a non-persistent one, e.g. a RoPE cache)."""
-    buffers = dict(model.named_buffers(remove_duplicate=False))  # a buffer under two names: both
-    return {name: buffers[name] for name in model.state_dict(keep_vars=True) if name in buffers}
+def _buffers_and_extra_states(model):
+    """({name: buffer} of the buffers a state_dict holds (not a non-persistent one, e.g. a RoPE cache), {state_dict
+    key: value} of each module's get_extra_state()), each under every name it has in the state_dict."""
+    state, buffers = model.state_dict(keep_vars=True), dict(model.named_buffers(remove_duplicate=False))
+    return ({name: buffers[name] for name in state if name in buffers},
+            {name: value for name, value in state.items() if _is_extra(name)})
 
 
 def _loadable(value, what):
@@ -2824,12 +2803,11 @@ def _seal(directory, files, name):
 
 
 def _layout(opt, model):
-    part, names, aliases = opt.partition, opt.names, collections.defaultdict(list)
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if name != names[p]:  # a tied weight's other names
-            aliases[p].append(name)
+    part, names = opt.partition, opt.names
+    tied = {n: names[p] for n, p in model.named_parameters(remove_duplicate=False) if n != names[p]}
     return dict(psi=sum(p.numel() for p in part.params),
-                params=[dict(name=names[p], shape=list(p.shape), offset=part.offsets[i], aliases=aliases[p])
+                params=[dict(name=names[p], shape=list(p.shape), offset=part.offsets[i],
+                             aliases=[n for n, first in tied.items() if first == names[p]])  # its other names
                         for i, p in enumerate(part.params)],
                 buckets=[[b.start, b.numel, b.chunk, b.own] for b in part.buckets],
                 dtype=str(opt.weights_dtype).removeprefix("torch."),  # of the weights and the states
@@ -2927,7 +2905,7 @@ def load_checkpoint(path, model, optimizer):
                 for why in [_damage(path / name, *manifest["files"][name])] if why]
     problems += _mismatch(opt, model, manifest)
     reader = CheckpointReader(path, manifest)
-    live, rest = _persistent_buffers(model), None
+    (live, live_extra_states), rest = _buffers_and_extra_states(model), None
     try:  # the small files are unpickled now, so one that fails does before anything is written
         rest, buffers, scalars = reader.rest(part.rank % manifest["nd"]), reader.rest(0)["buffers"], reader.scalars()
         saved = {n: list(buffers[n].shape) for n in reader.rest(0).get("persistent", buffers)}
@@ -2938,14 +2916,12 @@ def load_checkpoint(path, model, optimizer):
         extra_states = reader.rest(0).get("extra_states")  # None: saved before they were; the model's are kept
         if extra_states is not None:
             problems += [f"another model: {n} {'is not saved' if n not in extra_states else 'is not in this model'}"
-                         for n in sorted(set(extra_states) ^ set(_extra_states(model)))]
+                         for n in sorted(set(extra_states) ^ set(live_extra_states))]
     except Exception as e:
         files = list(dict.fromkeys([f"rank{part.rank % manifest['nd']}.rest.pt", "rank0.rest.pt"]))  # (once each)
         first_line = str(e).partition("\n")[0]  # (an error without a message has no line)
         problems.append(f"{', '.join(files)} or scalars.pt cannot be read: {type(e).__name__}: {first_line}")
-    everyone = [None] * part.nd
-    dist.all_gather_object(everyone, problems, group=part.group)
-    problems = sorted({p for ps in everyone for p in ps})
+    problems = sorted({p for ps in part.all_gather_object(problems) for p in ps})
     if problems:
         raise CheckpointError(f"cannot load {path}: " + "; ".join(problems), extra=rest and _copied(rest["extra"]))
     opt.parameters.wait()
