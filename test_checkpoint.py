@@ -229,8 +229,8 @@ def on_rank_save_unloadable_extra(path):
 def test_extra_that_cannot_be_loaded_back_is_refused_at_save(world, tmp_path):
     """load_checkpoint reads with torch.load(weights_only=True): an argparse.Namespace in extra
     would save and then never load, and a lambda cannot be saved at all; either is named, and the
-    failed save leaves no directory behind, not even path.partial."""
-    for namespace, function in world(2).run(on_rank_save_unloadable_extra, str(tmp_path / "ckpt")):
+    failed save leaves no directory behind, not even path.partial or the directories it made above it."""
+    for namespace, function in world(2).run(on_rank_save_unloadable_extra, str(tmp_path / "run" / "tp0" / "ckpt")):
         assert "extra args=Namespace could not be loaded back" in namespace and "vars(args)" in namespace, namespace
         assert "extra schedule=function cannot be saved" in function and "plain values" in function, function
     assert os.listdir(tmp_path) == []
@@ -992,10 +992,11 @@ def test_a_save_that_fails_on_rank_0_alone_fails_on_every_rank(world, tmp_path):
     raises rather than wait for rank 0 in a collective."""
     (tmp_path / "a_file").write_text("")
     for where, path, why in [("directory", tmp_path / "a_file" / "ckpt", "rank 0: NotADirectoryError"),
-                             ("manifest", tmp_path / "ckpt", "rank 0: ZeroDivisionError")]:
+                             ("manifest", tmp_path / "run" / "ckpt", "rank 0: ZeroDivisionError")]:
         for error in world(2).run(on_rank_save_fails_on_rank_0, str(path), where, timeout=60):
             assert "the checkpoint was not written" in error and why in error, error
         assert not pathlib.Path(f"{path}.partial").exists()  # (every rank's files were in it)
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]  # nor the directory made for it ("run")
 
 
 def on_rank_checkpoint_calls_out_of_step(path, stage):

@@ -2660,12 +2660,18 @@ def save_checkpoint(path, model, optimizer, **extra):
             raise ValueError(f"every tensor-parallel slice into {path}: each is a checkpoint of its own; give each "
                              f"its own directory, e.g. f'{path}/tp{{tp_rank}}', tp_rank = dist.get_rank(tp_group)")
 
-    made = []  # (rank 0's) the directories above path this save makes: each synced in its parent at the end
+    made = []  # (rank 0's) the directories above path this save makes, innermost first: each synced in its parent
 
     def make_partial():
         shutil.rmtree(partial, ignore_errors=True)
         made.extend(d for d in partial.parents if not d.exists())
         partial.mkdir(parents=True)
+
+    def discard():  # a failed save leaves the file system as it found it
+        shutil.rmtree(partial, ignore_errors=True)
+        for d in made:
+            with contextlib.suppress(OSError):  # (not emptied: another process wrote into it since)
+                d.rmdir()
 
     _on_rank0(group, f"saving {path}", make_partial)
     files, (keys, scalars, keys_of), error = {}, opt._all_states(), None
@@ -2701,7 +2707,7 @@ def save_checkpoint(path, model, optimizer, **extra):
     everyone = part.all_gather_object((error, {} if error else files))  # files: name -> [bytes, sha256]
     if any(err for err, _ in everyone):
         if part.rank == 0:  # every rank is done writing into it
-            shutil.rmtree(partial, ignore_errors=True)
+            discard()
         raise RuntimeError(f"saving {path} failed, the checkpoint was not written: "
                            f"{'; '.join(err for err, _ in everyone if err)}")
 
@@ -2715,7 +2721,7 @@ def save_checkpoint(path, model, optimizer, **extra):
                 _sync(synced)  # after the return leaves the checkpoint whole, or this save not made
             os.replace(partial, path)  # atomic: the checkpoint appears whole or not at all
         except BaseException:  # (a full disk): no partial copy of the model is left behind
-            shutil.rmtree(partial, ignore_errors=True)
+            discard()
             raise
         try:  # the new names: path's, and those of the directories made for it
             for directory in [path.parent] + [d.parent for d in made]:
