@@ -317,10 +317,24 @@ def test_a_complete_checkpoint_saved_at_another_tp_is_not_named_unfinished(tmp_p
         (step / f"tp{t}").mkdir(parents=True)
         (step / f"tp{t}" / "manifest.json").write_text(json.dumps({"tp": [t, 2]}))
     with pytest.raises(SystemExit, match=r"which exists \(a checkpoint saved with --tp 2\): pass another --save_dir"):
-        train.refuse_saving_into(step, 1)
+        train.refuse_saving_into(step, 1, resuming=False)
+    # at its own tp: continue from it, unless this run resumed already (from an earlier step, into the same dir)
+    with pytest.raises(SystemExit, match="which exists: continue from the latest checkpoint there with --resume"):
+        train.refuse_saving_into(step, 2, resuming=False)
+    with pytest.raises(SystemExit, match="which exists: pass another --save_dir$"):
+        train.refuse_saving_into(step, 2, resuming=True)
     (step / "tp1").rename(step / "tp1.partial")  # a save of slice 1 cut short
     with pytest.raises(SystemExit, match="holds a save that did not finish: delete it"):
-        train.refuse_saving_into(step, 1)
+        train.refuse_saving_into(step, 1, resuming=False)
+
+
+def test_tp_choices_offered_divide_the_world_size_too(monkeypatch, capsys):
+    """Under torchrun (WORLD_SIZE 2) the --tp choices offered for nano's 4 heads are those that also divide
+    the world: --tp 4, offered before, was refused next as not dividing it."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--tp", "3"])
+    assert "does not divide the nano model's 4 attention heads: choose --tp in {1, 2}\n" in capsys.readouterr().err
 
 
 def on_rank_broadcast_bytes(data, piece):
@@ -349,6 +363,14 @@ def test_the_corpus_reaches_every_rank_in_bounded_pieces(world, size):
         print(f"{size} bytes: broadcasts of {sizes} elements")
         assert got == data and sizes[0] == 1 and all(n <= 1000 for n in sizes[1:]), (len(got), sizes)
         assert sum(sizes[1:]) == size
+
+
+def test_source_is_stripped_line_for_line_as_tokenize_reads_it():
+    """Comments and docstrings go, a continuation line is indented one level past its statement, and
+    code is indented with tabs. Lines are those tokenize numbers (split at line ends alone): a form feed
+    (in Debian's email package, for one) split as a line end put every cut after it one line off."""
+    src = b'import os  # a comment\n\x0c\ndef f(x):\n    """doc"""\n    return (x +\n            1)  # more\n\ny = 1\n'
+    assert train.strip_source(src) == b"import os\n\x0c\ndef f(x):\n\treturn (x +\n\t\t1)\n\ny = 1\n"
 
 
 def test_an_empty_data_file_is_named_too_short(tmp_path):

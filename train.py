@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree; data-parallel = world / tp")
     p.add_argument("--model", default="nano", choices=list(PRESETS), help="gpt.py preset")
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch_size", type=int, default=8, help="sequences per data-parallel rank per step")
+    p.add_argument("--batch_size", type=int, default=8, help="sequences per data-parallel rank per micro-batch (--grad_accum a step)")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--lr", type=float, default=4e-3, help="peak learning rate (warm-up, then cosine to lr/10)")
     p.add_argument("--weight_decay", type=float, default=0.1)
@@ -98,7 +98,8 @@ def parse_args(argv=None):
                 p.error(f"--resume {args.resume} is tp slice {slice_of[0]} of a checkpoint saved with --tp "
                         f"{slice_of[1]}: resume from its step directory, --resume {resume.parent} --tp {slice_of[1]}")
     n_head, vocab = PRESETS[args.model].n_head, PRESETS[args.model].vocab_size
-    fits = divisors(math.gcd(n_head, vocab))  # each tp rank takes whole heads and vocab / tp embedding rows
+    # each tp rank takes whole heads and vocab / tp embedding rows, and tp divides torchrun's world size
+    fits = divisors(math.gcd(n_head, vocab, int(os.environ.get("WORLD_SIZE", 0))))
     if n_head % args.tp:
         p.error(f"--tp {args.tp} does not divide the {args.model} model's {n_head} attention heads: choose --tp in "
                 f"{fits}")
@@ -169,7 +170,7 @@ def strip_source(src):
     after the string (three quotes, then `, 1)`), whose leading spaces become tabs; a file tokenize cannot read is
     kept whole."""
     text = src.decode("utf-8", errors="replace")
-    lines = text.splitlines(keepends=True)
+    lines = io.StringIO(text).readlines()  # (split as tokenize splits: at \n alone, not at a form feed)
     try:
         toks = list(tokenize.generate_tokens(io.StringIO(text).readline))
     except (tokenize.TokenError, SyntaxError):
@@ -307,15 +308,19 @@ def complete(path, tp):
     return all((checkpoint_part(path, tp, t) / "manifest.json").is_file() for t in range(tp))
 
 
-def refuse_saving_into(path, tp):
-    """Stop before training where this run would save into `path`, which exists: as the tp it was saved at says."""
+def refuse_saving_into(path, tp, resuming):
+    """Stop before training where this run would save into `path`, which exists: as the tp it was saved at says
+    (a run resumed already is not told to resume)."""
     there = saved_tp(path)
     if not complete(path, there):
         raise SystemExit(f"--save_dir: this run would save {path}, which holds a save that did not finish: "
                          f"delete it, then continue from the latest complete checkpoint with --resume")
-    raise SystemExit(f"--save_dir: this run would save {path}, which exists" + (
-        f" (a checkpoint saved with --tp {there}): pass another --save_dir" if there != tp else
-        ": continue from the latest checkpoint there with --resume, or pass another --save_dir"))
+    if there != tp:
+        fix = f" (a checkpoint saved with --tp {there}): pass another --save_dir"
+    else:
+        fix = ": " + ("" if resuming else "continue from the latest checkpoint there with --resume, or ") + \
+            "pass another --save_dir"
+    raise SystemExit(f"--save_dir: this run would save {path}, which exists{fix}")
 
 
 def latest_checkpoint(save_dir, tp):
@@ -351,7 +356,8 @@ def main(argv=None):
     backend, device = setup_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % args.tp:
-        raise SystemExit(f"--tp {args.tp} does not divide the world size {world}: choose --tp in {divisors(world)}")
+        fits = divisors(math.gcd(world, PRESETS[args.model].n_head, PRESETS[args.model].vocab_size))
+        raise SystemExit(f"--tp {args.tp} does not divide the world size {world}: choose --tp in {fits}")
     dp = world // args.tp
     dp_group, tp_group = make_mesh(dp, args.tp, device.type)
     dp_rank, tp_rank = dist.get_rank(dp_group), dist.get_rank(tp_group)
@@ -419,7 +425,7 @@ def main(argv=None):
             f" (saved at dp {extra.get('dp', '?')}, now dp {dp}: each rank draws a fresh data stream)"))
     taken = [d for d in (checkpoint_dir(args, step) for step in range(first, args.steps)) if d and d.exists()]
     if taken:
-        refuse_saving_into(taken[0], args.tp)
+        refuse_saving_into(taken[0], args.tp, resuming=args.resume is not None)
     tokens_per_step = args.batch_size * args.seq_len * dp * args.grad_accum
     history, val_history, stopped = [], [], None  # stopped: why the run ended early, if it did
     # The memory line comes from the first step; on CUDA from the second: a thread's first matmul
