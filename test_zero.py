@@ -1232,14 +1232,16 @@ class ReadsChildWeight(nn.Module):
 
 class CallsUnitsChildOutside(nn.Module):
     """Calls a child of a unit (blk[0]) again after the unit ran: its parameters are the unit's,
-    gathered only while blk runs."""
+    gathered only while blk runs. tied: its weight is also the weight of `pre`, before the unit."""
 
-    def __init__(self):
+    def __init__(self, tied=False):
         super().__init__()
-        self.blk = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+        self.pre, self.blk = nn.Linear(DIM, DIM), nn.Sequential(nn.Linear(DIM, DIM, bias=not tied), nn.Tanh())
+        if tied:
+            self.blk[0].weight = self.pre.weight
 
     def forward(self, x):
-        return self.blk[0](self.blk(x))
+        return self.blk[0](self.blk(self.pre(x)))
 
 
 class ReadsAfterUse(nn.Module):
@@ -1266,8 +1268,8 @@ class ReadsAfterUse(nn.Module):
 def on_rank_weight_read_without_its_module(how):
     """(the error, or None; whether the outputs equal the plain module's, bit for bit)"""
     torch.manual_seed(0)
-    if how == "outside_unit":
-        net = CallsUnitsChildOutside()
+    if how.startswith("outside_unit"):
+        net = CallsUnitsChildOutside(tied=how == "outside_unit_tied")
         units = [net.blk]
     elif how in ("first", "later", "unit", "unit_generator"):
         net = ReadsChildWeight(from_step=1 if how == "later" else 0)
@@ -1297,16 +1299,18 @@ def test_stage3_weight_read_without_its_module_is_an_error(world):
     """A read of a parameter whose module is not running gets no data at stage 3. In the first
     forward that read raises, naming the fixes; a read that starts after the first forward reads
     NaN, and the gradient that reaches the never-gathered child raises at backward. A child of a
-    unit called outside it is told so. Tied as a module's own weight, read inside a unit
+    unit called outside it is told so, in the first forward; where its weight is tied to a module
+    before the unit (gathered then as a shared group), at backward. Tied as a module's own weight, read inside a unit
     (stage3_units a list or a generator), or in a hook registered with prepend=True: the plain
     module's outputs, bit for bit."""
     for how in ("first", "linear", "transpose", "hook"):
         for error, _ in world(2).run(on_rank_weight_read_without_its_module, how):
             print(f"{how}: {error}")
             assert error and "while no module holding it ran" in error and "prepend=True" in error
-    for error, _ in world(2).run(on_rank_weight_read_without_its_module, "outside_unit"):  # told what to do then
-        print(f"outside_unit: {error}")
-        assert error and "module inside a unit called outside it" in error and "leave the unit out" in error
+    for how in ("outside_unit", "outside_unit_tied"):  # told what to do then
+        for error, _ in world(2).run(on_rank_weight_read_without_its_module, how):
+            print(f"{how}: {error}")
+            assert error and "module inside a unit called outside it" in error and "leave the unit out" in error
     for error, nan in world(2).run(on_rank_weight_read_without_its_module, "later"):
         print(f"later: {error}")
         assert nan and error and "a parameter of child got a gradient" in error and "stage3_units" in error
@@ -1635,7 +1639,7 @@ def on_rank_units_other_than_the_first_forwards(stage, scaled):
     else:
         model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1,
                                      **({"stage3_units": net.blocks} if stage == 3 else {}))
-    peak, peaks = [0], []
+    peak, peaks, held = [0], [], []  # held: the blocks gathered after each forward
     if stage == 3:
         params, gather = opt.parameters, opt.parameters._gather
 
@@ -1646,14 +1650,17 @@ def on_rank_units_other_than_the_first_forwards(stage, scaled):
 
         params._gather = counting_gather
     full = list(range(8))
-    for step, order in enumerate([full, full, full[::2], full[::-1], full[1::2], full]):
+    for step, order in enumerate([full, full, full[::2], full[::-1], full[1::2], full[:-1], full]):
         peak[0] = 0
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
-        model(x, order).square().mean().backward()
+        loss = model(x, order).square().mean()
+        if stage == 3:
+            held.append([i for i, b in enumerate(net.blocks) if params._gathered(params.group_of[next(b.parameters())])])
+        loss.backward()
         opt.step()
         opt.zero_grad()
         peaks.append(peak[0])
-    return peaks, net.state_dict() if stage == "ddp" else zero.full_state_dict(model)
+    return peaks, held, net.state_dict() if stage == "ddp" else zero.full_state_dict(model)
 
 
 @pytest.mark.xdist_group("world2")
@@ -1666,14 +1673,18 @@ def test_stage3_frees_what_it_gathered_ahead_for_units_a_step_skips(world, scale
     the next starts: 3 at most. Only what a prefetch gathered and nothing used since is freed so: the
     root's group (scaled), which a reversed backward reaches first and uses to its end, was freed by
     an earlier version, its gradient then refused as read from a freed parameter; here it is one more
-    group held, as before. The weights are DDP's, torch.equal (at world size 2 every order of summation
-    gives the same bits)."""
+    group held, as before. A forward that builds a graph keeps the groups backward starts with (the root's
+    head and block 7; the first forward only learns which), but not block 7 gathered ahead and skipped:
+    backward never reaches it, and it was held through all of backward. The weights are DDP's, torch.equal (at world size 2 every order of
+    summation gives the same bits)."""
     got = world(2).run(on_rank_units_other_than_the_first_forwards, 3, scaled)
     want = world(2).run(on_rank_units_other_than_the_first_forwards, "ddp", scaled)
-    peaks = got[0][0]
-    print("most groups gathered at once, per step (full, full, even, reversed, odd, full):", peaks)
+    peaks, held = got[0][:2]
+    print("most groups gathered at once, per step (full, full, even, reversed, odd, all but the last, full):", peaks)
+    print("blocks gathered after each forward:", held)
     assert max(peaks) <= 3 + scaled, peaks
-    for (_, weights), (_, want_weights) in zip(got, want, strict=True):
+    assert held == [[], [7], [], [7], [7], [], [7]], held
+    for (_, _, weights), (_, _, want_weights) in zip(got, want, strict=True):
         assert weights.keys() == want_weights.keys()
         assert all(torch.equal(weights[k], w) for k, w in want_weights.items())
 

@@ -1725,7 +1725,7 @@ class ShardedParameters:
         units = [[g for g in unit if g not in self.finished and g not in gids] for unit in self._ahead(k, step)]
         # ahead: what a prefetch gathered and nothing has used since (not a group backward reached and still uses)
         ahead = {g for unit in units for g in unit if g in self.ahead or not self._gathered(g)}
-        self._release(self.ahead.difference(ahead, gids, self.shared, self._kept()))  # (not a module running around)
+        self._release(self.ahead.difference(ahead, gids, self.shared))  # (not a module running around)
         self.ahead = ahead
         for unit in units:
             self._gather(unit, prefetch=True)
@@ -1804,7 +1804,10 @@ class ShardedParameters:
                                    f"before it reached {self.names[g]}'s outputs, so they are not gathered and it "
                                    f"would read NaN or freed memory (a term made after the outputs and kept aside, "
                                    f"self.pen = self.weight.square().sum() added to the loss, is differentiated "
-                                   f"first). Return the term from the module's forward as one of its outputs")
+                                   f"first). Return the term from the module's forward as one of its outputs. (A "
+                                   f"module inside a unit called outside it, block.fc(h) after block(x), has no hooks "
+                                   f"of its own, and a weight tied there is read so: leave the unit out of "
+                                   f"stage3_units)")
 
     def _start_reading(self, module):
         # (a forward under torch.func.functional_call reads other tensors: a later forward checks and learns)
@@ -1826,10 +1829,11 @@ class ShardedParameters:
 
     def _end_forward(self):
         """Free what no module holds: the shared groups, and groups prefetched for a module this forward
-        skipped or never reached; a forward that builds a graph keeps the tail (see _learn_order)."""
+        skipped or never reached; a forward that builds a graph keeps the tail (see _learn_order), but for
+        what it gathered ahead and never used (a last unit skipped: backward will not reach it)."""
         self._finish_prefetch()
         if not self.gradients.in_backward:  # recomputed in backward (P_a): backward frees what its modules held
-            kept = self._kept()
+            kept = set(self._kept()) - self.ahead
             self._release([g for g in range(len(self.groups)) if g not in kept])
             self.ahead, self.finished = set(), set()
 
