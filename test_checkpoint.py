@@ -989,14 +989,16 @@ def on_rank_save_fails_on_rank_0(path, where):
 @pytest.mark.xdist_group("world2")
 def test_a_save_that_fails_on_rank_0_alone_fails_on_every_rank(world, tmp_path):
     """Rank 0 alone makes the directory and writes the manifest: when either fails, every rank
-    raises rather than wait for rank 0 in a collective."""
+    raises rather than wait for rank 0 in a collective, and no directory the save made is left."""
     (tmp_path / "a_file").write_text("")
     for where, path, why in [("directory", tmp_path / "a_file" / "ckpt", "rank 0: NotADirectoryError"),
+                             # a name that fits, with ".partial" one too long: made "deep", then failed
+                             ("directory", tmp_path / "deep" / ("x" * 250), "File name too long"),
                              ("manifest", tmp_path / "run" / "ckpt", "rank 0: ZeroDivisionError")]:
         for error in world(2).run(on_rank_save_fails_on_rank_0, str(path), where, timeout=60):
             assert "the checkpoint was not written" in error and why in error, error
         assert not pathlib.Path(f"{path}.partial").exists()  # (every rank's files were in it)
-    assert sorted(os.listdir(tmp_path)) == ["a_file"]  # nor the directory made for it ("run")
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]  # nor the directories made for it ("deep", "run")
 
 
 def on_rank_checkpoint_calls_out_of_step(path, stage):

@@ -1639,19 +1639,26 @@ def on_rank_units_other_than_the_first_forwards(stage, scaled):
     else:
         model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1,
                                      **({"stage3_units": net.blocks} if stage == 3 else {}))
-    peak, peaks, held = [0], [], []  # held: the blocks gathered after each forward
+    peak, peaks, held, started = [0], [], [], []  # held: the blocks gathered after each forward
     if stage == 3:
-        params, gather = opt.parameters, opt.parameters._gather
+        params, gather, start = opt.parameters, opt.parameters._gather, opt.parameters._start_gather
+        block_of = {params.group_of[next(b.parameters())]: i for i, b in enumerate(net.blocks)}
 
         def counting_gather(gids, prefetch=False):
             result = gather(gids, prefetch)
             peak[0] = max(peak[0], sum(params._gathered(g) for g in range(len(params.groups))))
             return result
 
-        params._gather = counting_gather
+        def recorded_start(g):  # the blocks all-gathered in backward, in order
+            if opt.gradients.in_backward and g in block_of:
+                started[-1].append(block_of[g])
+            return start(g)
+
+        params._gather, params._start_gather = counting_gather, recorded_start
     full = list(range(8))
     for step, order in enumerate([full, full, full[::2], full[::-1], full[1::2], full[:-1], full]):
         peak[0] = 0
+        started.append([])
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
         loss = model(x, order).square().mean()
         if stage == 3:
@@ -1660,7 +1667,7 @@ def on_rank_units_other_than_the_first_forwards(stage, scaled):
         opt.step()
         opt.zero_grad()
         peaks.append(peak[0])
-    return peaks, held, net.state_dict() if stage == "ddp" else zero.full_state_dict(model)
+    return peaks, held, started, net.state_dict() if stage == "ddp" else zero.full_state_dict(model)
 
 
 @pytest.mark.xdist_group("world2")
@@ -1675,16 +1682,19 @@ def test_stage3_frees_what_it_gathered_ahead_for_units_a_step_skips(world, scale
     an earlier version, its gradient then refused as read from a freed parameter; here it is one more
     group held, as before. A forward that builds a graph keeps the groups backward starts with (the root's
     head and block 7; the first forward only learns which), but not block 7 gathered ahead and skipped:
-    backward never reaches it, and it was held through all of backward. The weights are DDP's, torch.equal (at world size 2 every order of
-    summation gives the same bits)."""
+    backward never reaches it, and it was held through all of backward; nor does backward gather ahead a
+    block the forward skipped (each was all-gathered once more, for nothing). The weights are DDP's,
+    torch.equal (at world size 2 every order of summation gives the same bits)."""
     got = world(2).run(on_rank_units_other_than_the_first_forwards, 3, scaled)
     want = world(2).run(on_rank_units_other_than_the_first_forwards, "ddp", scaled)
-    peaks, held = got[0][:2]
+    peaks, held, started = got[0][:3]
     print("most groups gathered at once, per step (full, full, even, reversed, odd, all but the last, full):", peaks)
     print("blocks gathered after each forward:", held)
+    print("blocks all-gathered in each backward:", started)
     assert max(peaks) <= 3 + scaled, peaks
     assert held == [[], [7], [], [7], [7], [], [7]], held
-    for (_, _, weights), (_, _, want_weights) in zip(got, want, strict=True):
+    assert started[2] == [6, 4, 2, 0] and started[4] == [5, 3, 1] and started[5] == [6, 5, 4, 3, 2, 1, 0], started
+    for (_, _, _, weights), (_, _, _, want_weights) in zip(got, want, strict=True):
         assert weights.keys() == want_weights.keys()
         assert all(torch.equal(weights[k], w) for k, w in want_weights.items())
 

@@ -1544,6 +1544,7 @@ class ShardedParameters:
                               for members in groups]
         self.groups, self.dtype, self.buffers, self.views = groups, dtype, [], []  # per group, made by bind()
         self.required = set()  # parameters that required a gradient in the forwards since a backward (see _grads_left)
+        self.ran = set()  # the groups those forwards gathered for their modules: all a backward can reach
         self.calls_seen = []  # the calls this backward reached or passed
         self._new_backward()
         self.refcount = [0] * len(groups)
@@ -1718,11 +1719,13 @@ class ShardedParameters:
     def _prefetch(self, gids, step):
         """Gather the next units (the first forward's order; reversed in backward) as this one starts, so a small
         module between two blocks leaves no gather exposed. Where a step runs other units (layer drop, another
-        expert), a group the pass is done with is not gathered again, and one gathered for a skipped unit is freed."""
+        expert), a group the pass is done with is not gathered again, one gathered for a skipped unit is freed, and
+        backward gathers ahead only what the forwards ran (it reaches nothing else)."""
         k = self.unit_position.get(id(gids))
         if k is None:
             return
-        units = [[g for g in unit if g not in self.finished and g not in gids] for unit in self._ahead(k, step)]
+        units = [[g for g in unit if g not in self.finished and g not in gids and (step > 0 or g in self.ran)]
+                 for unit in self._ahead(k, step)]
         # ahead: what a prefetch gathered and nothing has used since (not a group backward reached and still uses)
         ahead = {g for unit in units for g in unit if g in self.ahead or not self._gathered(g)}
         self._release(self.ahead.difference(ahead, gids, self.shared))  # (not a module running around)
@@ -1860,8 +1863,9 @@ class ShardedParameters:
             self.refcount[g] += 1
             if torch.is_grad_enabled() and not self.gradients.in_backward:  # (not a recomputation: see _grads_left)
                 if self.backward_ran:  # the first forward after a backward starts the record anew
-                    self.required, self.backward_ran = set(), False
+                    self.required, self.ran, self.backward_ran = set(), set(), False
                 self.required.update(p for p in self.groups[g] if p.requires_grad)
+                self.ran.add(g)
             elif self.gradients.in_backward and not self._gathered(g):  # (not one backward or its prefetch holds)
                 self.recomputing.add(g)
         self._gather(gids)
@@ -2666,16 +2670,20 @@ def save_checkpoint(path, model, optimizer, **extra):
 
     made = []  # (rank 0's) the directories above path this save makes, innermost first: each synced in its parent
 
-    def make_partial():
-        shutil.rmtree(partial, ignore_errors=True)
-        made.extend(d for d in partial.parents if not d.exists())
-        partial.mkdir(parents=True)
-
     def discard():  # a failed save leaves the file system as it found it
         shutil.rmtree(partial, ignore_errors=True)
         for d in made:
             with contextlib.suppress(OSError):  # (not emptied: another process wrote into it since)
                 d.rmdir()
+
+    def make_partial():
+        shutil.rmtree(partial, ignore_errors=True)
+        made.extend(d for d in partial.parents if not d.exists())
+        try:
+            partial.mkdir(parents=True)
+        except BaseException:  # (made some: path.partial's name too long, say)
+            discard()
+            raise
 
     _on_rank0(group, f"saving {path}", make_partial)
     files, (keys, scalars, keys_of), error = {}, opt._all_states(), None
@@ -2708,7 +2716,8 @@ def save_checkpoint(path, model, optimizer, **extra):
                                     f"lists and str-keyed dicts of them")
     except Exception as e:  # every rank learns of it: none may wait for a rank that failed
         error = f"rank {part.rank}: {type(e).__name__}: {e}"
-    everyone = part.all_gather_object((error, {} if error else files))  # files: name -> [bytes, sha256]
+    everyone = [None] * part.nd  # (shares alike in size: padding to the largest costs little)
+    dist.all_gather_object(everyone, (error, {} if error else files), group=group)  # files: name -> [bytes, sha256]
     if any(err for err, _ in everyone):
         if part.rank == 0:  # every rank is done writing into it
             discard()
@@ -2813,11 +2822,12 @@ def _seal(directory, files, name):
 
 
 def _layout(opt, model):
-    part, names = opt.partition, opt.names
-    tied = {n: names[p] for n, p in model.named_parameters(remove_duplicate=False) if n != names[p]}
+    part, names, aliases = opt.partition, opt.names, collections.defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name != names[p]:  # a tied weight's other names
+            aliases[p].append(name)
     return dict(psi=sum(p.numel() for p in part.params),
-                params=[dict(name=names[p], shape=list(p.shape), offset=part.offsets[i],
-                             aliases=[n for n, first in tied.items() if first == names[p]])  # its other names
+                params=[dict(name=names[p], shape=list(p.shape), offset=part.offsets[i], aliases=aliases[p])
                         for i, p in enumerate(part.params)],
                 buckets=[[b.start, b.numel, b.chunk, b.own] for b in part.buckets],
                 dtype=str(opt.weights_dtype).removeprefix("torch."),  # of the weights and the states
@@ -2931,7 +2941,9 @@ def load_checkpoint(path, model, optimizer):
         files = list(dict.fromkeys([f"rank{part.rank % manifest['nd']}.rest.pt", "rank0.rest.pt"]))  # (once each)
         first_line = str(e).partition("\n")[0]  # (an error without a message has no line)
         problems.append(f"{', '.join(files)} or scalars.pt cannot be read: {type(e).__name__}: {first_line}")
-    problems = sorted({p for ps in part.all_gather_object(problems) for p in ps})
+    everyone = [None] * part.nd
+    dist.all_gather_object(everyone, problems, group=part.group)
+    problems = sorted({p for ps in everyone for p in ps})
     if problems:
         raise CheckpointError(f"cannot load {path}: " + "; ".join(problems), extra=rest and _copied(rest["extra"]))
     opt.parameters.wait()
