@@ -3342,9 +3342,9 @@ def test_initialize_before_init_process_group_says_how():
         zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=1)
 
 
-def _with_aliased_params():
+def _with_aliased_params(device=None):
     m = nn.Module()
-    m.w = nn.Parameter(torch.randn(3, 4))
+    m.w = nn.Parameter(torch.randn(3, 4, device=device))
     m.v = nn.Parameter(m.w.data[0])  # a row of w, as a parameter of its own
     return m
 
@@ -3456,6 +3456,9 @@ def on_rank_bad_inputs():
         # (torch.optim steps both in the one memory; zero's buffers would have parted them silently)
         "parameter v shares memory with \\['w'\\] \\(one made from another's data\\)": lambda: zero.initialize(
             _with_aliased_params(), torch.optim.SGD, stage=1, lr=0.1),
+        # (on meta too, where every data_ptr is 0: shard-only init gave each its own storage, parted silently)
+        "parameter v shares memory with \\['w'\\] \\(one made from another's data\\): make one": lambda: (
+            zero.initialize(_with_aliased_params("meta"), torch.optim.SGD, stage=1, lr=0.1, init_fn=lambda m: None)),
         # device places a module built on meta; one built elsewhere would stay where it is
         "device places a module built on the meta device, but this one is on cpu already: build it under "
         "torch.device\\('meta'\\) and pass init_fn, or drop device": lambda: (

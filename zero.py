@@ -577,11 +577,16 @@ class MetaInit:
 
 
 def _bit_sum(t):
-    """t's elements' bits summed as integers (int64, wrapping), a 0-d tensor on t's device: equal values give equal
-    sums on every rank, exactly (a float sum rounds). An eighth at a time: no t-sized int64 copy."""
+    """t's elements' bits, each times its position + 1, summed as integers (int64, wrapping), a 0-d tensor on t's
+    device: equal values in the same places give equal sums on every rank, exactly (a float sum rounds), and the
+    same values in other places (rows drawn in another order) another. An eighth at a time: no t-sized int64 copy."""
     t = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
     bits = t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    return sum(c.sum(dtype=torch.int64) for c in bits.chunk(8))
+    total, at = torch.zeros((), dtype=torch.int64, device=t.device), 1
+    for c in bits.chunk(8):
+        total += (c.long() * torch.arange(at, at + len(c), device=t.device)).sum()
+        at += len(c)
+    return total
 
 
 def _unset_value(t):
@@ -2472,8 +2477,8 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
             f"one dtype and device (fp32; for 16-bit compute pass param_dtype)")
     by_storage = collections.defaultdict(list)  # parameters made from one tensor's data (q, k = w[:, :4], w[:, 4:])
     for name, p in module.named_parameters():
-        if p.numel() and not p.is_meta:
-            by_storage[p.untyped_storage().data_ptr()].append((name, p))
+        if p.numel():  # (on meta, where every data_ptr is 0, by the storage itself)
+            by_storage[p.untyped_storage()._cdata if p.is_meta else p.untyped_storage().data_ptr()].append((name, p))
     for shared in (s for s in by_storage.values() if len(s) > 1):
         taken = torch.zeros(shared[0][1].untyped_storage().nbytes() // shared[0][1].element_size(), dtype=torch.bool)
         for j, (name, p) in enumerate(shared):
