@@ -133,6 +133,36 @@ def test_stage3_meta_init_of_modules_with_buffers_holds_the_shard_and_one_module
         assert peak <= held + module + 2**16 * 4
 
 
+def on_rank_peak_with_frozen_biases(stage):
+    before = zero.live_storages()
+    new_bytes = lambda: sum(s.nbytes() for k, s in zero.live_storages().items() if k not in before)
+    torch.manual_seed(0)
+    module = nn.Sequential(*[nn.Linear(256, 256, device="meta") for _ in range(8)])
+    for m in module:
+        m.bias.requires_grad_(False)  # (a LoRA base's are frozen so)
+    samples = []
+
+    def init_fn(m):
+        m.reset_parameters()
+        samples.append(new_bytes())
+
+    model, opt = zero.initialize(module, torch.optim.SGD, stage=stage, bucket_numel=2**14, init_fn=init_fn, lr=0.1)
+    return max(samples), new_bytes(), sum(p.numel() for p in module.parameters()) * 4
+
+
+@pytest.mark.xdist_group("world2")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_meta_init_with_frozen_parameters_frees_each_parameter_once_copied_out(world, stage):
+    """Stages 0-2 lay the frozen parameters out after every trainable one, so a module with a frozen bias
+    was done only once the frozen buckets came, each weight kept till then: the whole fp32 model alive at
+    once (2.1 MB beyond what is kept, for a 2.1 MB model). Each parameter is freed after its own last
+    bucket: a module and two buckets at most."""
+    for peak, held, model in world(2).run(on_rank_peak_with_frozen_biases, stage):
+        module, bucket = (256 * 256 + 256) * 4, 2**14 * 4
+        print(f"peak {peak} B = held {held} + {peak - held} (the model: {model} B; a module {module}, a bucket {bucket})")
+        assert peak <= held + module + 2 * bucket
+
+
 def on_rank_meta_bad_inputs():
     def half_meta():
         module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
@@ -140,6 +170,15 @@ def on_rank_meta_bad_inputs():
     def forgets_a_bias(m):
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight)
+
+    def replaces_parameters(m):  # (the module ends filled, but with Parameters zero never laid out)
+        m.weight, m.bias = nn.Parameter(torch.ones(m.weight.shape)), nn.Parameter(torch.zeros(m.bias.shape))
+
+    def sets_a_sentinel(m):  # a "best so far" buffer set to its type's largest value on purpose
+        m.reset_parameters()
+        m.mask.copy_(torch.ones(6, 6, dtype=torch.bool).tril())
+        m.cache.fill_(torch.iinfo(torch.int64).max)
+        m.table.zero_()
     cases = {
         "init_fn left ['bias'] of 0 (Linear) unset: init_fn(m) must fill every parameter": lambda: zero.initialize(
             nn.Sequential(nn.Linear(4, 4, device="meta")), torch.optim.AdamW, stage=1, init_fn=forgets_a_bias),
@@ -149,6 +188,14 @@ def on_rank_meta_bad_inputs():
         "on the meta device: pass init_fn": lambda: zero.initialize(
             nn.Linear(4, 4, device="meta"), torch.optim.AdamW, stage=3),
         "build the whole module on meta": half_meta,
+        "init_fn replaced ['weight', 'bias'] of the root module (Linear) with new Parameters, but zero.initialize "
+        "has laid out those it made: fill them in place": lambda: zero.initialize(
+            nn.Linear(2, 2, device="meta"), torch.optim.SGD, stage=1, init_fn=replaces_parameters, lr=0.1),
+        "init_fn left ['cache'] of the root module (WithBuffers) unset": lambda: zero.initialize(
+            WithBuffers(meta=True), torch.optim.AdamW, stage=1, init_fn=sets_a_sentinel),
+        "A value set on purpose that reads as unset (NaN, an integer type's largest) cannot be told apart: register "
+        "that buffer on a real device in __init__": lambda: zero.initialize(
+            WithBuffers(meta=True), torch.optim.AdamW, stage=1, init_fn=sets_a_sentinel),
         "already initialised: drop init_fn": lambda: zero.initialize(
             nn.Linear(4, 4), torch.optim.AdamW, stage=3, init_fn=lambda m: m.reset_parameters()),
     }
@@ -157,6 +204,33 @@ def on_rank_meta_bad_inputs():
         cases[what] = lambda dtype=dtype: zero.initialize(  # buffers from __init__ that init_fn does not refill
             WithBuffers(meta=True, dtype=dtype), torch.optim.AdamW, stage=1, init_fn=lambda m: m.reset_parameters())
     return missed_errors(cases, ValueError)
+
+
+class RegistersItsCache(nn.Linear):
+    """Computes a non-persistent cache by registering it (as Hugging Face's RoPE _set_cos_sin_cache does),
+    in __init__ and again in init_fn."""
+
+    def __init__(self, device=None):
+        super().__init__(4, 4, device=device)
+        self.set_cache(device)
+
+    def set_cache(self, device):
+        self.register_buffer("cos", torch.arange(16.0, device=device).cos(), persistent=False)
+
+
+def on_rank_buffer_registered_anew():
+    torch.manual_seed(0)
+    whole = RegistersItsCache()
+    torch.manual_seed(0)
+    meta = RegistersItsCache(device="meta")
+    zero.initialize(meta, torch.optim.SGD, stage=1, lr=0.1, init_fn=lambda m: (m.reset_parameters(), m.set_cache("cpu")))
+    return torch.equal(meta.cos, whole.cos) and torch.equal(zero.full_state_dict(meta)["weight"], whole.weight)
+
+
+@pytest.mark.xdist_group("world2")
+def test_a_buffer_init_fn_registers_anew_is_taken_as_filled(world):
+    """A buffer init_fn registers again (a new tensor, not the one zero made) was reported left unset."""
+    assert world(2).run(on_rank_buffer_registered_anew) == [True, True]
 
 
 class WithBuffers(nn.Linear):

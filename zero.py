@@ -492,9 +492,8 @@ class MetaInit:
         for m in module.modules():
             for p in m.parameters(recurse=False):
                 self.owner.setdefault(p, m)
-        # parameters each module still has to copy out (an empty one has nothing to copy)
-        self.left = collections.Counter(m for p, m in self.owner.items() if p.numel())
-        self.last = [segments[-1][0] if segments else -1 for segments in partition.segments_of]
+        owns = {m for p, m in self.owner.items() if p.numel()}  # (an empty parameter has nothing to copy out)
+        self.last = [segments[-1][0] if segments else -1 for segments in partition.segments_of]  # its last bucket
         # Each parameter moves to the device now, storageless, as the same Parameter object, before
         # any hook is put on it (a hook lives on the tensor that swap_tensors replaces).
         for p in partition.params:
@@ -511,7 +510,7 @@ class MetaInit:
                     made[b] = torch.empty_like(b, device=device)
                     self.created[made[b]] = m
                 setattr(m, name, made[b])
-            if not self.left[m] and any(self.created[made[b]] is m for name, b in on_meta):
+            if m not in owns and any(self.created[made[b]] is m for name, b in on_meta):
                 self._materialize(m)  # else init_fn fills them with its parameters, bucket by bucket
 
     def values(self, k):
@@ -524,12 +523,8 @@ class MetaInit:
         if not values.is_meta:  # (the simulation's values are shapes only)
             self.sums.append(_bit_sum(values).item())
         for i, lo, hi in b.segments:
-            m = self.owner[part.params[i]]
-            self.left[m] -= self.last[i] == k
-            if self.left[m] == 0:  # done with this module: free it (the parameters keep their shapes)
-                for p in m.parameters(recurse=False):
-                    if self.owner[p] is m:
-                        p.untyped_storage().resize_(0)
+            if self.last[i] == k:  # done with this parameter: free it (it keeps its shape), whenever its module's
+                part.params[i].untyped_storage().resize_(0)  # others come (stages 0-2 lay frozen ones out last)
         return values
 
     def _materialize(self, m):
@@ -552,12 +547,22 @@ class MetaInit:
                 t.fill_(_unset_value(t))
         self.materialized.add(m)
         self.init_fn(m)
+        replaced = [name for name, t in mine if name in m._parameters and m._parameters[name] is not t]
+        if replaced:
+            raise ValueError(f"init_fn replaced {replaced} of {self.module_names[m]} ({type(m).__name__}) with new "
+                             f"Parameters, but zero.initialize has laid out those it made: fill them in place "
+                             f"(nn.init.normal_(m.weight), m.weight.copy_(t) under torch.no_grad())")
+        mine = [(name, t) for name, t in mine if getattr(m, name) is t]  # (a buffer registered anew is init_fn's)
         unset = [name for name, t in mine if t.dtype != torch.bool and
                  (t.isnan() if t.is_floating_point() or t.is_complex() else t == _unset_value(t)).any()]
         if unset:
+            mha = " (nn.MultiheadAttention has no reset_parameters: fill its in_proj_*)" if isinstance(
+                m, torch.nn.MultiheadAttention) else ""
             raise ValueError(f"init_fn left {unset} of {self.module_names[m]} ({type(m).__name__}) unset: init_fn(m) "
-                             f"must fill every parameter and buffer m holds itself, those computed in __init__ too "
-                             f"(nn.MultiheadAttention has no reset_parameters: fill its in_proj_*)")
+                             f"must fill every parameter and buffer m holds itself, those computed in __init__ "
+                             f"too{mha}. A value set on purpose that reads as unset (NaN, an integer type's largest) "
+                             f"cannot be told apart: register that buffer on a real device in __init__ (it keeps "
+                             f"its value there)")
         for name, p in shared.items():
             setattr(m, name, p)
 
