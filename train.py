@@ -28,13 +28,20 @@ import zero
 from gpt import GPT, PRESETS, divisors, make_mesh, num_params
 
 
+def tp_choices(model, world=0):
+    """The --tp values a preset splits over (each tp rank takes whole heads and vocab / tp embedding rows) that
+    also divide the world size (0: not known), as an error message offers them."""
+    return divisors(math.gcd(PRESETS[model].n_head, PRESETS[model].vocab_size, world))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO-DP stage (0 = plain DP)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree; data-parallel = world / tp")
     p.add_argument("--model", default="nano", choices=list(PRESETS), help="gpt.py preset")
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch_size", type=int, default=8, help="sequences per data-parallel rank per micro-batch (--grad_accum a step)")
+    p.add_argument("--batch_size", type=int, default=8,
+                   help="sequences per data-parallel rank per micro-batch (--grad_accum a step)")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--lr", type=float, default=4e-3, help="peak learning rate (warm-up, then cosine to lr/10)")
     p.add_argument("--weight_decay", type=float, default=0.1)
@@ -98,8 +105,7 @@ def parse_args(argv=None):
                 p.error(f"--resume {args.resume} is tp slice {slice_of[0]} of a checkpoint saved with --tp "
                         f"{slice_of[1]}: resume from its step directory, --resume {resume.parent} --tp {slice_of[1]}")
     n_head, vocab = PRESETS[args.model].n_head, PRESETS[args.model].vocab_size
-    # each tp rank takes whole heads and vocab / tp embedding rows, and tp divides torchrun's world size
-    fits = divisors(math.gcd(n_head, vocab, int(os.environ.get("WORLD_SIZE", 0))))
+    fits = tp_choices(args.model, int(os.environ.get("WORLD_SIZE", 0)))  # (torchrun's world size)
     if n_head % args.tp:
         p.error(f"--tp {args.tp} does not divide the {args.model} model's {n_head} attention heads: choose --tp in "
                 f"{fits}")
@@ -172,7 +178,7 @@ def strip_source(src):
     text = src.decode("utf-8", errors="replace")
     lines = io.StringIO(text).readlines()  # (split as tokenize splits: at \n alone, not at a form feed)
     try:
-        toks = list(tokenize.generate_tokens(io.StringIO(text).readline))
+        toks = list(tokenize.generate_tokens(iter(lines).__next__))  # (the same lines)
     except (tokenize.TokenError, SyntaxError):
         return src
     cut, drop, indent, code_lines = {}, set(), {}, set()  # by 0-based line number
@@ -356,8 +362,8 @@ def main(argv=None):
     backend, device = setup_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % args.tp:
-        fits = divisors(math.gcd(world, PRESETS[args.model].n_head, PRESETS[args.model].vocab_size))
-        raise SystemExit(f"--tp {args.tp} does not divide the world size {world}: choose --tp in {fits}")
+        raise SystemExit(f"--tp {args.tp} does not divide the world size {world}: choose --tp in "
+                         f"{tp_choices(args.model, world)}")
     dp = world // args.tp
     dp_group, tp_group = make_mesh(dp, args.tp, device.type)
     dp_rank, tp_rank = dist.get_rank(dp_group), dist.get_rank(tp_group)
