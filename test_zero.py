@@ -1630,8 +1630,8 @@ class Stack(nn.Module):
 
 def on_rank_units_other_than_the_first_forwards(stage, scaled):
     """Steps that run other units than the first forward, the same on every rank (layer drop, reversed):
-    the most groups gathered at once in each step, and the weights. stage "ddp": torch's DDP (the
-    skipped blocks unused) and SGD, the reference."""
+    the most groups gathered at once in each step, the blocks all-gathered in backward, the all-gathers of
+    each step, and the weights. stage "ddp": torch's DDP (the skipped blocks unused) and SGD, the reference."""
     torch.manual_seed(0)
     net = Stack(8, scaled)
     if stage == "ddp":
@@ -1639,7 +1639,7 @@ def on_rank_units_other_than_the_first_forwards(stage, scaled):
     else:
         model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1,
                                      **({"stage3_units": net.blocks} if stage == 3 else {}))
-    peak, peaks, held, started = [0], [], [], []  # held: the blocks gathered after each forward
+    peak, peaks, held, started, gathers = [0], [], [], [], []  # held: the blocks gathered after each forward
     if stage == 3:
         params, gather, start = opt.parameters, opt.parameters._gather, opt.parameters._start_gather
         block_of = {params.group_of[next(b.parameters())]: i for i, b in enumerate(net.blocks)}
@@ -1649,7 +1649,8 @@ def on_rank_units_other_than_the_first_forwards(stage, scaled):
             peak[0] = max(peak[0], sum(params._gathered(g) for g in range(len(params.groups))))
             return result
 
-        def recorded_start(g):  # the blocks all-gathered in backward, in order
+        def recorded_start(g):  # the blocks all-gathered in backward, in order; every group's all-gathers
+            gathers[-1] += 1
             if opt.gradients.in_backward and g in block_of:
                 started[-1].append(block_of[g])
             return start(g)
@@ -1659,6 +1660,7 @@ def on_rank_units_other_than_the_first_forwards(stage, scaled):
     for step, order in enumerate([full, full, full[::2], full[::-1], full[1::2], full[:-1], full]):
         peak[0] = 0
         started.append([])
+        gathers.append(0)
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
         loss = model(x, order).square().mean()
         if stage == 3:
@@ -1667,7 +1669,7 @@ def on_rank_units_other_than_the_first_forwards(stage, scaled):
         opt.step()
         opt.zero_grad()
         peaks.append(peak[0])
-    return peaks, held, started, net.state_dict() if stage == "ddp" else zero.full_state_dict(model)
+    return peaks, held, started, gathers, net.state_dict() if stage == "ddp" else zero.full_state_dict(model)
 
 
 @pytest.mark.xdist_group("world2")
@@ -1683,18 +1685,26 @@ def test_stage3_frees_what_it_gathered_ahead_for_units_a_step_skips(world, scale
     group held, as before. A forward that builds a graph keeps the groups backward starts with (the root's
     head and block 7; the first forward only learns which), but not block 7 gathered ahead and skipped:
     backward never reaches it, and it was held through all of backward; nor does backward gather ahead a
-    block the forward skipped (each was all-gathered once more, for nothing). The weights are DDP's,
-    torch.equal (at world size 2 every order of summation gives the same bits)."""
+    block the forward skipped (each was all-gathered once more, for nothing). Backward walks the units in
+    the order their forwards ended: the root ends last, so backward starts from it and a full step keeps
+    it from forward to backward with the head and block 7 (walked in the order forwards started, the
+    root came last in backward: its prefetch of nothing freed block 7, which the head had gathered ahead,
+    and block 7 was all-gathered twice at step 0; the root's group was all-gathered twice a step). The
+    weights are DDP's, torch.equal (at world size 2 every order of summation gives the same bits)."""
     got = world(2).run(on_rank_units_other_than_the_first_forwards, 3, scaled)
     want = world(2).run(on_rank_units_other_than_the_first_forwards, "ddp", scaled)
-    peaks, held, started = got[0][:3]
+    peaks, held, started, gathers = got[0][:4]
     print("most groups gathered at once, per step (full, full, even, reversed, odd, all but the last, full):", peaks)
     print("blocks gathered after each forward:", held)
     print("blocks all-gathered in each backward:", started)
+    print("all-gathers per step:", gathers)
     assert max(peaks) <= 3 + scaled, peaks
     assert held == [[], [7], [], [7], [7], [], [7]], held
+    assert started[0] == list(range(7, -1, -1)) and started[1] == started[6] == list(range(6, -1, -1)), started
     assert started[2] == [6, 4, 2, 0] and started[4] == [5, 3, 1] and started[5] == [6, 5, 4, 3, 2, 1, 0], started
-    for (_, _, _, weights), (_, _, _, want_weights) in zip(got, want, strict=True):
+    # forward: every group (the blocks, the head, the root's); backward: blocks 6-0 (step 0: all 8, the root, the head)
+    assert gathers[1] == gathers[6] == 16 + scaled and gathers[0] == 18 + 2 * scaled, gathers
+    for (*_, weights), (*_, want_weights) in zip(got, want, strict=True):
         assert weights.keys() == want_weights.keys()
         assert all(torch.equal(weights[k], w) for k, w in want_weights.items())
 

@@ -1561,7 +1561,9 @@ class ShardedParameters:
         self.calls = collections.defaultdict(list)  # id(gids) -> the calls in forward, innermost last
         self.prefetch_numel = prefetch * max(sum(partition.buckets[k].chunk for k in ks) * partition.nd
                                              for ks in self.group_buckets)  # see _prefetch
-        self.unit_order, self.unit_position, self.order_known, self.in_flight = [], {}, False, {}
+        # the units in the first forward's order as they started (forward's, step +1) and as they ended (backward's,
+        # step -1, walked from the end: a module around others, the root, ends after them and backward reaches it first)
+        self.order, self.position, self.order_known, self.in_flight = {+1: [], -1: []}, {+1: {}, -1: {}}, False, {}
         self.tail = set()  # the groups backward gathers first (see _learn_order)
         self.reads, self.stand_ins = None, set()  # the first forward's check; the stand-ins' storages
         self.group_of_storage = {}  # the first forward's: each buffer's storage -> its group (see _made)
@@ -1727,11 +1729,11 @@ class ShardedParameters:
             self._wait_gathered(g)
 
     def _prefetch(self, gids, step):
-        """Gather the next units (the first forward's order; reversed in backward) as this one starts, so a small
-        module between two blocks leaves no gather exposed. Where a step runs other units (layer drop, another
-        expert), a group the pass is done with is not gathered again, one gathered for a skipped unit is freed, and
-        backward gathers ahead only what the forwards ran (it reaches nothing else)."""
-        k = self.unit_position.get(id(gids))
+        """Gather the next units (the first forward's order: as they started; in backward, as they ended, reversed) as
+        this one starts, so a small module between two blocks leaves no gather exposed. Where a step runs other units
+        (layer drop, another expert), a group the pass is done with is not gathered again, one gathered for a skipped
+        unit is freed, and backward gathers ahead only what the forwards ran (it reaches nothing else)."""
+        k = self.position[step].get(id(gids))
         if k is None:
             return
         units = [[g for g in unit if g not in self.finished and g not in gids and (step > 0 or g in self.ran)]
@@ -1748,12 +1750,12 @@ class ShardedParameters:
         group's elements, rounded to the nearest unit: the next one always, then each while at least half of it fits
         (a small module before a block comes with it; past the first, the budget is passed by half a unit at most)."""
         units, budget = [], self.prefetch_numel
-        while budget > 0 and 0 <= k + step < len(self.unit_order):
-            numel = sum(self.buffers[g].numel() for g in self.unit_order[k + step])
+        while budget > 0 and 0 <= k + step < len(self.order[step]):
+            numel = sum(self.buffers[g].numel() for g in self.order[step][k + step])
             if units and numel > 2 * budget:  # (the next unit always: one with tied groups can pass the budget)
                 break
             k, budget = k + step, budget - numel
-            units.append(self.unit_order[k])
+            units.append(self.order[step][k])
         return units
 
     def _read(self, m, t, func):
@@ -1828,6 +1830,7 @@ class ShardedParameters:
         if not self.order_known and self.reads is None and self.partition.holds_its_parameters(module) and \
                 torch.is_grad_enabled():
             self.group_of_storage = {b.untyped_storage()._cdata: g for g, b in enumerate(self.buffers) if b.numel()}
+            self.order, self.position = {+1: [], -1: []}, {+1: {}, -1: {}}  # (not an earlier forward's, which raised)
             self.reads = ParameterReads(self._read, self._made).__enter__()
 
     def _stop_reading(self):
@@ -1857,11 +1860,15 @@ class ShardedParameters:
         if self.order_known:
             return
         if self.reads is None:  # a forward under functional_call or no_grad (see _start_reading): the next learns
-            self.unit_order, self.unit_position = [], {}
             return
-        self.order_known, last = True, len(self.unit_order) - 1
+        self.order_known, last = True, len(self.order[-1]) - 1
         if last >= 0:
-            self.tail = {g for gids in [self.unit_order[last]] + self._ahead(last, -1) for g in gids}
+            self.tail = {g for gids in [self.order[-1][last]] + self._ahead(last, -1) for g in gids}
+
+    def _learn_position(self, gids, step):
+        if not self.order_known and id(gids) not in self.position[step]:
+            self.position[step][id(gids)] = len(self.order[step])
+            self.order[step].append(gids)
 
     def _kept(self):
         return self.tail if torch.is_grad_enabled() else ()
@@ -1880,9 +1887,7 @@ class ShardedParameters:
                 self.recomputing.add(g)
         self._gather(gids)
         self._warn_autocast()
-        if not self.order_known and id(gids) not in self.unit_position:
-            self.unit_position[id(gids)] = len(self.unit_order)
-            self.unit_order.append(gids)
+        self._learn_position(gids, +1)
         if not self.gradients.in_backward:  # a forward recomputed in backward (P_a): the next units are done
             self._prefetch(gids, +1)
 
@@ -1912,6 +1917,7 @@ class ShardedParameters:
             call = _PINNED  # a weight read detached in this forward, the first (see _read)
         for g in gids:
             self.refcount[g] -= 1
+        self._learn_position(gids, -1)
         if not self.gradients.in_backward:
             done = [g for g in gids if g not in self.shared and g not in self._kept() and self.refcount[g] == 0]
             self._release(done)
