@@ -1958,7 +1958,7 @@ def test_stage3_prefetches_up_to_the_budget_of_one_largest_unit(world):
 
 
 PATTERNS = ["two forwards, then two backwards", "a no_grad forward between forward and backward",
-            "backward twice over one graph"]
+            "backward twice over one graph", "interleaved (F1 F2 B1 F3 B2 B3), the last Linear frozen at F3"]
 
 
 def on_rank_forwards_around_kept_groups(stage, pattern):
@@ -1985,7 +1985,7 @@ def on_rank_forwards_around_kept_groups(stage, pattern):
         loss.backward(retain_graph=retain_graph)
         average_gradients(net)
         for p, b in zip(net.parameters(), before, strict=True):
-            p.grad = p.grad if b is None else b + p.grad
+            p.grad = p.grad if b is None else b if p.grad is None else b + p.grad  # (frozen since: none)
 
     for step in range(3):
         x1, x2 = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
@@ -1998,10 +1998,18 @@ def on_rank_forwards_around_kept_groups(stage, pattern):
             with torch.no_grad():
                 l2 = model(x2).pow(2).mean()
             backward(l1)
-        else:
+        elif pattern == "backward twice over one graph":
             l1 = l2 = model(x1).pow(2).mean()
             backward(l1, retain_graph=True)
             backward(l1)
+        else:  # B2 runs over a graph built while the last Linear trained: its gradients still come
+            l1, l2 = model(x1).pow(2).mean(), model(x2).pow(2).mean()
+            backward(l1)
+            net[4].requires_grad_(False)
+            l3 = model(x1 + x2).pow(2).mean()
+            backward(l2)
+            backward(l3)
+            net[4].requires_grad_(True)
         opt.step()
         opt.zero_grad()
         losses.append(torch.stack([l1.detach(), l2.detach()]))
@@ -2016,7 +2024,9 @@ def test_stage3_forwards_that_meet_kept_groups_match_torch(world, pattern):
     (they gather nothing for them) and backwards that free them give plain torch's losses and
     weights (each backward's gradients averaged as DDP does, the averages summed) bit for bit, as
     stage 0 does (world 2: every order of summation gives the same bits), and nothing stays
-    gathered after a step."""
+    gathered after a step. Interleaved: the gradients a backward waits for were counted from the
+    forwards since the last backward, so B2 expected none of the last Linear's, freed it at its first
+    and refused its second as read while freed."""
     want = world(2).run(on_rank_forwards_around_kept_groups, "torch", pattern)
     for stage in (0, 3):
         for (losses, held, state), (want_losses, _, want_state) in zip(

@@ -1553,8 +1553,8 @@ class ShardedParameters:
         self.group_buckets = [sorted({k for p in members for k, lo, hi in partition.segments_of[partition.index[p]]})
                               for members in groups]
         self.groups, self.dtype, self.buffers, self.views = groups, dtype, [], []  # per group, made by bind()
-        self.required = set()  # parameters that required a gradient in the forwards since a backward (see _grads_left)
-        self.ran = set()  # the groups those forwards gathered for their modules: all a backward can reach
+        self.required = set()  # parameters that required a gradient in a forward since the step (see _grads_left)
+        self.ran = set()  # the groups the forwards since a backward gathered for their modules (see _prefetch)
         self.calls_seen = []  # the calls this backward reached or passed
         self._new_backward()
         self.refcount = [0] * len(groups)
@@ -1623,7 +1623,12 @@ class ShardedParameters:
         return storage in self.stand_ins or storage == self.buffers[self.group_of[p]].untyped_storage()._cdata
 
     def after_step(self, frozen_too=False):
-        """The shard changed (a step, a loaded checkpoint): no gathered copy may outlive it."""
+        """The shard changed (a step, a loaded checkpoint): no gathered copy may outlive it, and no graph built before
+        it is differentiated (the parameters' versions went up: see _count_writes)."""
+        self._free_all()
+        self.required = set()
+
+    def _free_all(self):
         self._finish_prefetch()
         for g in range(len(self.groups)):
             self._free(g)
@@ -1880,7 +1885,7 @@ class ShardedParameters:
             self.refcount[g] += 1
             if torch.is_grad_enabled() and not self.gradients.in_backward:  # (not a recomputation: see _grads_left)
                 if self.backward_ran:  # the first forward after a backward starts the record anew
-                    self.required, self.ran, self.backward_ran = set(), set(), False
+                    self.ran, self.backward_ran = set(), False
                 self.required.update(p for p in self.groups[g] if p.requires_grad)
                 self.ran.add(g)
             elif self.gradients.in_backward and not self._gathered(g):  # (not one backward or its prefetch holds)
@@ -2019,8 +2024,9 @@ class ShardedParameters:
     def _grads_left(self):
         """Per group, the gradients still to come in this backward: a parameter's hook runs where the graph was built
         while it required a gradient, with no gradient if it was frozen since. Counted: those that require one now, or
-        did in a forward with a graph since the first one after the last backward (a retained graph's next backward
-        runs over the same forwards). One more than runs only keeps the group to backward's end."""
+        did in a forward with a graph since the step (a retained graph's next backward runs over the same forwards,
+        an interleaved schedule's, F0 F1 B0 F2 B1, over forwards before the last backward). One more than runs only
+        keeps the group to backward's end."""
         if self.grads_left is None:
             self.grads_left = [sum(p.requires_grad or p in self.required for p in members) for members in self.groups]
         return self.grads_left
@@ -2043,7 +2049,7 @@ class ShardedParameters:
         self.calls_seen = []
 
     def on_backward_end(self):
-        self.after_step()  # free every group, prefetched ones included
+        self._free_all()  # prefetched groups included
         self._new_backward()
 
 
