@@ -1614,11 +1614,11 @@ class Stack(nn.Module):
     """Blocks run in the order given. scaled: a parameter of the root's own makes the root a group,
     gathered for all of forward and, in backward, from when backward reaches it to its end."""
 
-    def __init__(self, n, scaled):
+    def __init__(self, n, scaled, outputs=1):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(8)) if scaled else None
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(n))
-        self.head = nn.Linear(8, 1)
+        self.head = nn.Linear(8, outputs)
 
     def forward(self, x, order):
         if self.scale is not None:
@@ -1628,18 +1628,19 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-def on_rank_units_other_than_the_first_forwards(stage, scaled):
+def on_rank_units_other_than_the_first_forwards(stage, scaled, outputs=1):
     """Steps that run other units than the first forward, the same on every rank (layer drop, reversed):
     the most groups gathered at once in each step, the blocks all-gathered in backward, the all-gathers of
     each step, and the weights. stage "ddp": torch's DDP (the skipped blocks unused) and SGD, the reference."""
     torch.manual_seed(0)
-    net = Stack(8, scaled)
+    net = Stack(8, scaled, outputs)
     if stage == "ddp":
         model, opt = DDP(net, find_unused_parameters=True), torch.optim.SGD(net.parameters(), lr=0.1)
     else:
         model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1,
                                      **({"stage3_units": net.blocks} if stage == 3 else {}))
     peak, peaks, held, started, gathers = [0], [], [], [], []  # held: the blocks gathered after each forward
+    in_backward, twice = [], []  # the groups all-gathered in each backward; how many of them a second time
     if stage == 3:
         params, gather, start = opt.parameters, opt.parameters._gather, opt.parameters._start_gather
         block_of = {params.group_of[next(b.parameters())]: i for i, b in enumerate(net.blocks)}
@@ -1651,6 +1652,9 @@ def on_rank_units_other_than_the_first_forwards(stage, scaled):
 
         def recorded_start(g):  # the blocks all-gathered in backward, in order; every group's all-gathers
             gathers[-1] += 1
+            if opt.gradients.in_backward:
+                twice[-1] += g in in_backward[-1]
+                in_backward[-1].add(g)
             if opt.gradients.in_backward and g in block_of:
                 started[-1].append(block_of[g])
             return start(g)
@@ -1661,6 +1665,8 @@ def on_rank_units_other_than_the_first_forwards(stage, scaled):
         peak[0] = 0
         started.append([])
         gathers.append(0)
+        in_backward.append(set())
+        twice.append(0)
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
         loss = model(x, order).square().mean()
         if stage == 3:
@@ -1669,12 +1675,13 @@ def on_rank_units_other_than_the_first_forwards(stage, scaled):
         opt.step()
         opt.zero_grad()
         peaks.append(peak[0])
-    return peaks, held, started, gathers, net.state_dict() if stage == "ddp" else zero.full_state_dict(model)
+    return peaks, held, started, gathers, twice, net.state_dict() if stage == "ddp" else zero.full_state_dict(model)
 
 
 @pytest.mark.xdist_group("world2")
-@pytest.mark.parametrize("scaled", [False, True], ids=["blocks", "root parameter"])
-def test_stage3_frees_what_it_gathered_ahead_for_units_a_step_skips(world, scaled):
+@pytest.mark.parametrize("scaled, outputs", [(False, 1), (True, 1), (True, 5)],
+                         ids=["blocks", "root parameter", "root parameter, head of 5"])
+def test_stage3_frees_what_it_gathered_ahead_for_units_a_step_skips(world, scaled, outputs):
     """Prefetching follows the first forward's order. A step that skipped every other block held each
     block gathered ahead for it to the end of forward (and again in backward): 5 groups at once of 9;
     a reversed step gathered again the blocks it had done with, and held them: all 9. Now what a step
@@ -1689,24 +1696,87 @@ def test_stage3_frees_what_it_gathered_ahead_for_units_a_step_skips(world, scale
     the order their forwards ended: the root ends last, so backward starts from it and a full step keeps
     it from forward to backward with the head and block 7 (walked in the order forwards started, the
     root came last in backward: its prefetch of nothing freed block 7, which the head had gathered ahead,
-    and block 7 was all-gathered twice at step 0; the root's group was all-gathered twice a step). The
-    weights are DDP's, torch.equal (at world size 2 every order of summation gives the same bits)."""
-    got = world(2).run(on_rank_units_other_than_the_first_forwards, 3, scaled)
-    want = world(2).run(on_rank_units_other_than_the_first_forwards, "ddp", scaled)
-    peaks, held, started, gathers = got[0][:4]
+    and block 7 was all-gathered twice at step 0; the root's group was all-gathered twice a step). With
+    a head of 5 the root's group and the head fill the window a forward keeps: block 7 is not kept, and
+    the head's backward hook, on the root's output and run before the root's, gathers it ahead; the
+    root's prefetch, one unit back, freed it as outside its window, all-gathered twice a step: only
+    what the walk went by is freed. (In the reversed step backward starts from block 0 and goes by
+    block 7, which the head gathered ahead: it is all-gathered again at its turn.) The weights are
+    DDP's, torch.equal (at world size 2 every order of summation gives the same bits)."""
+    got = world(2).run(on_rank_units_other_than_the_first_forwards, 3, scaled, outputs)
+    want = world(2).run(on_rank_units_other_than_the_first_forwards, "ddp", scaled, outputs)
+    peaks, held, started, gathers, twice = got[0][:5]
     print("most groups gathered at once, per step (full, full, even, reversed, odd, all but the last, full):", peaks)
     print("blocks gathered after each forward:", held)
     print("blocks all-gathered in each backward:", started)
-    print("all-gathers per step:", gathers)
+    print("all-gathers per step:", gathers, "groups all-gathered a second time in a backward:", twice)
     assert max(peaks) <= 3 + scaled, peaks
-    assert held == [[], [7], [], [7], [7], [], [7]], held
-    assert started[0] == list(range(7, -1, -1)) and started[1] == started[6] == list(range(6, -1, -1)), started
-    assert started[2] == [6, 4, 2, 0] and started[4] == [5, 3, 1] and started[5] == [6, 5, 4, 3, 2, 1, 0], started
-    # forward: every group (the blocks, the head, the root's); backward: blocks 6-0 (step 0: all 8, the root, the head)
-    assert gathers[1] == gathers[6] == 16 + scaled and gathers[0] == 18 + 2 * scaled, gathers
+    assert twice == [0, 0, 0, outputs > 1, 0, 0, 0], twice
+    assert started[0] == list(range(7, -1, -1)) and gathers[0] == 18 + 2 * scaled, (started, gathers)
+    if outputs == 1:
+        assert held == [[], [7], [], [7], [7], [], [7]], held
+        assert started[1] == started[6] == list(range(6, -1, -1)), started
+        assert started[2] == [6, 4, 2, 0] and started[4] == [5, 3, 1] and started[5] == [6, 5, 4, 3, 2, 1, 0], started
+        # forward: every group (the blocks, the head, the root's); backward: blocks 6-0 (step 0: all 8, root, head)
+        assert gathers[1] == gathers[6] == 16 + scaled, gathers
+    else:
+        assert held == [[]] * 7 and gathers[1] == gathers[6] == 18, (held, gathers)
     for (*_, weights), (*_, want_weights) in zip(got, want, strict=True):
         assert weights.keys() == want_weights.keys()
         assert all(torch.equal(weights[k], w) for k, w in want_weights.items())
+
+
+class Reused(nn.Module):
+    """s is called twice (as ALBERT's shared block), around the blocks b."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.s, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.b = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        x = self.s(self.a(x))
+        for block in self.b:
+            x = block(x)
+        return self.head(self.s(x))
+
+
+def on_rank_reused_module(stage):
+    """3 steps: the all-gathers of each forward and each backward (module names), and the weights.
+    stage "ddp": torch's DDP and SGD, the reference."""
+    torch.manual_seed(0)
+    net = Reused()
+    if stage == "ddp":
+        model, opt = DDP(net), torch.optim.SGD(net.parameters(), lr=0.1)
+    else:
+        model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1)
+        params, start = opt.parameters, opt.parameters._start_gather
+        name = {params.group_of[m.weight]: n for n, m in net.named_modules() if isinstance(m, nn.Linear)}
+        params._start_gather = lambda g: (log[-1][opt.gradients.in_backward].append(name[g]), start(g))[1]
+    log = []
+    for step in range(3):
+        log.append(([], []))
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return log, net.state_dict() if stage == "ddp" else zero.full_state_dict(model)
+
+
+@pytest.mark.xdist_group("world2")
+def test_stage3_walks_a_module_called_twice_from_its_last_call_in_backward(world):
+    """Backward reaches a module's last call first, so the order backward walks has each module where its
+    last call ended: walked from its first, s's backward came before the blocks', its prefetch took a,
+    and freed the last block the head had gathered ahead (all-gathered twice at step 0); and the
+    forward's kept tail held the last block, not s, which forward then all-gathered twice a step. Now
+    each module is all-gathered once a backward, and from step 1 once a forward, s kept from its first
+    call for backward. The weights are DDP's, torch.equal (world size 2)."""
+    (log, weights), want = world(2).run(on_rank_reused_module, 3)[0], world(2).run(on_rank_reused_module, "ddp")[0][1]
+    print("all-gathered in each forward, backward:", log)
+    once = [log[0][1], *log[1], *log[2]]  # (the first forward, learning the order, keeps nothing: s twice)
+    assert all(len(set(names)) == len(names) for names in once), log
+    assert log[1] == log[2] == (["a", "s", "b.0", "b.1", "head"], ["b.1", "b.0", "a"]), log
+    assert weights.keys() == want.keys() and all(torch.equal(weights[k], w) for k, w in want.items())
 
 
 def on_rank_buckets_held_where_parameters_get_no_gradient(stage, find_unused):
@@ -2037,6 +2107,50 @@ def test_stage3_forwards_that_meet_kept_groups_match_torch(world, pattern):
             assert state.keys() == want_state.keys()
             assert all(torch.equal(state[k], want_state[k]) for k in want_state), stage
             assert held == [0, 0, 0], (stage, held)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, head):
+        return getattr(self, head)(x)
+
+
+def on_rank_graph_kept_past_a_step(stage):
+    """F1 (head b) F2 (head a) B2 step, b frozen, B1 step: B1 differentiates a graph built before a step
+    that did not write b (no gradient, so no version gone up: legal in torch). Returns the weights. stage
+    "torch": plain torch, the gradients averaged as DDP does, the reference."""
+    torch.manual_seed(0)
+    net = TwoHeads()
+    if stage == "torch":
+        model, opt = net, torch.optim.SGD(net.parameters(), lr=0.1)
+    else:
+        model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    l1 = model(torch.randn(4, 8, generator=g), "b").square().mean()
+    l2 = model(torch.randn(4, 8, generator=g), "a").square().mean()
+    for loss in (l2, l1):
+        loss.backward()
+        if stage == "torch":
+            average_gradients(net)
+        opt.step()
+        opt.zero_grad()
+        net.b.requires_grad_(False)
+    return net.state_dict() if stage == "torch" else zero.full_state_dict(model)
+
+
+@pytest.mark.xdist_group("world2b")
+def test_stage3_counts_the_gradients_of_a_graph_kept_past_a_step(world):
+    """A backward brings a gradient (none, for a parameter frozen since) from each parameter whose
+    AccumulateGrad node it runs: counted from the forwards since the step, b's were expected to be none,
+    so b was freed at its weight's and its bias's was refused as read while freed. Plain torch's weights."""
+    want = world(2).run(on_rank_graph_kept_past_a_step, "torch")[0]
+    for stage in (0, 3):
+        got = world(2).run(on_rank_graph_kept_past_a_step, stage)[0]
+        print(f"stage {stage}:", {k: torch.equal(v, want[k]) for k, v in got.items()})
+        assert got.keys() == want.keys() and all(torch.equal(v, want[k]) for k, v in got.items()), stage
 
 
 @pytest.mark.xdist_group("world2b")

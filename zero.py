@@ -1553,7 +1553,7 @@ class ShardedParameters:
         self.group_buckets = [sorted({k for p in members for k, lo, hi in partition.segments_of[partition.index[p]]})
                               for members in groups]
         self.groups, self.dtype, self.buffers, self.views = groups, dtype, [], []  # per group, made by bind()
-        self.required = set()  # parameters that required a gradient in a forward since the step (see _grads_left)
+        self.nodes = {}  # parameter -> its AccumulateGrad node, held: torch reuses it in every graph (see _grads_left)
         self.ran = set()  # the groups the forwards since a backward gathered for their modules (see _prefetch)
         self.calls_seen = []  # the calls this backward reached or passed
         self._new_backward()
@@ -1561,9 +1561,8 @@ class ShardedParameters:
         self.calls = collections.defaultdict(list)  # id(gids) -> the calls in forward, innermost last
         self.prefetch_numel = prefetch * max(sum(partition.buckets[k].chunk for k in ks) * partition.nd
                                              for ks in self.group_buckets)  # see _prefetch
-        # the units in the first forward's order as they started (forward's, step +1) and as they ended (backward's,
-        # step -1, walked from the end: a module around others, the root, ends after them and backward reaches it first)
-        self.order, self.position, self.order_known, self.in_flight = {+1: [], -1: []}, {+1: {}, -1: {}}, False, {}
+        self._forget_order()
+        self.order_known, self.in_flight = False, {}
         self.tail = set()  # the groups backward gathers first (see _learn_order)
         self.reads, self.stand_ins = None, set()  # the first forward's check; the stand-ins' storages
         self.group_of_storage = {}  # the first forward's: each buffer's storage -> its group (see _made)
@@ -1623,12 +1622,7 @@ class ShardedParameters:
         return storage in self.stand_ins or storage == self.buffers[self.group_of[p]].untyped_storage()._cdata
 
     def after_step(self, frozen_too=False):
-        """The shard changed (a step, a loaded checkpoint): no gathered copy may outlive it, and no graph built before
-        it is differentiated (the parameters' versions went up: see _count_writes)."""
-        self._free_all()
-        self.required = set()
-
-    def _free_all(self):
+        """The shard changed (a step, a loaded checkpoint): no gathered copy may outlive it."""
         self._finish_prefetch()
         for g in range(len(self.groups)):
             self._free(g)
@@ -1745,8 +1739,11 @@ class ShardedParameters:
                  for unit in self._ahead(k, step)]
         # ahead: what a prefetch gathered and nothing has used since (not a group backward reached and still uses)
         ahead = {g for unit in units for g in unit if g in self.ahead or not self._gathered(g)}
-        self._release(self.ahead.difference(ahead, gids, self.shared))  # (not a module running around)
-        self.ahead = ahead
+        # freed: what the walk went by (a skipped unit's), not what lies past this window (gathered by a unit reached
+        # just before, on the same output: a head returned by the root); nor a module running around
+        passed = {g for g in self.ahead if (self.place[step].get(g, k) - k) * step <= 0}
+        self._release(passed.difference(ahead, gids, self.shared))
+        self.ahead = ahead | (self.ahead - passed)
         for unit in units:
             self._gather(unit, prefetch=True)
 
@@ -1835,7 +1832,7 @@ class ShardedParameters:
         if not self.order_known and self.reads is None and self.partition.holds_its_parameters(module) and \
                 torch.is_grad_enabled():
             self.group_of_storage = {b.untyped_storage()._cdata: g for g, b in enumerate(self.buffers) if b.numel()}
-            self.order, self.position = {+1: [], -1: []}, {+1: {}, -1: {}}  # (not an earlier forward's, which raised)
+            self._forget_order()  # (not an earlier forward's, which raised)
             self.reads = ParameterReads(self._read, self._made).__enter__()
 
     def _stop_reading(self):
@@ -1866,13 +1863,26 @@ class ShardedParameters:
             return
         if self.reads is None:  # a forward under functional_call or no_grad (see _start_reading): the next learns
             return
+        last_end = {id(gids): i for i, gids in enumerate(self.ends)}  # (a unit called twice: backward reaches the
+        for i, gids in enumerate(self.ends):  # second call first)
+            if last_end[id(gids)] == i:
+                self._learn_position(gids, -1)
         self.order_known, last = True, len(self.order[-1]) - 1
         if last >= 0:
             self.tail = {g for gids in [self.order[-1][last]] + self._ahead(last, -1) for g in gids}
 
+    def _forget_order(self):
+        """The units in the first forward's order as they first started (forward's, step +1) and as they last ended
+        (backward's, step -1, walked from the end: a module around others, the root, ends after them and backward
+        reaches it first). Per order: the units, each unit's position and each group's first; `ends`: every end."""
+        self.order, self.position, self.place = {+1: [], -1: []}, {+1: {}, -1: {}}, {+1: {}, -1: {}}
+        self.ends = []
+
     def _learn_position(self, gids, step):
         if not self.order_known and id(gids) not in self.position[step]:
             self.position[step][id(gids)] = len(self.order[step])
+            for g in gids:
+                self.place[step].setdefault(g, len(self.order[step]))
             self.order[step].append(gids)
 
     def _kept(self):
@@ -1886,11 +1896,13 @@ class ShardedParameters:
             if torch.is_grad_enabled() and not self.gradients.in_backward:  # (not a recomputation: see _grads_left)
                 if self.backward_ran:  # the first forward after a backward starts the record anew
                     self.ran, self.backward_ran = set(), False
-                self.required.update(p for p in self.groups[g] if p.requires_grad)
                 self.ran.add(g)
             elif self.gradients.in_backward and not self._gathered(g):  # (not one backward or its prefetch holds)
                 self.recomputing.add(g)
         self._gather(gids)
+        if torch.is_grad_enabled():  # (after the gather: get_gradient_edge reads the parameter)
+            self.nodes.update((p, get_gradient_edge(p).node) for g in gids for p in self.groups[g]
+                              if p.requires_grad and p not in self.nodes)
         self._warn_autocast()
         self._learn_position(gids, +1)
         if not self.gradients.in_backward:  # a forward recomputed in backward (P_a): the next units are done
@@ -1922,7 +1934,8 @@ class ShardedParameters:
             call = _PINNED  # a weight read detached in this forward, the first (see _read)
         for g in gids:
             self.refcount[g] -= 1
-        self._learn_position(gids, -1)
+        if self.reads is not None:  # (the first forward's)
+            self.ends.append(gids)
         if not self.gradients.in_backward:
             done = [g for g in gids if g not in self.shared and g not in self._kept() and self.refcount[g] == 0]
             self._release(done)
@@ -2004,13 +2017,7 @@ class ShardedParameters:
         """Whether the backward running accumulates any trainable parameter's gradient. torch.autograd.grad
         never does, and torch refuses the question for a parameter passed to it as an input."""
         trainable = itertools.islice(self.partition.params, self.gradients.n_trainable)  # (any() stops early)
-        try:
-            return any(torch._C._will_engine_execute_node(get_gradient_edge(p).node) for p in trainable
-                       if p.requires_grad)
-        except RuntimeError as e:
-            if "running autograd.grad()" not in str(e):
-                raise
-            return False
+        return any(_will_run(get_gradient_edge(p).node) for p in trainable if p.requires_grad)
 
     def on_grad(self, p):
         g = self.group_of[p]
@@ -2023,12 +2030,13 @@ class ShardedParameters:
 
     def _grads_left(self):
         """Per group, the gradients still to come in this backward: a parameter's hook runs where the graph was built
-        while it required a gradient, with no gradient if it was frozen since. Counted: those that require one now, or
-        did in a forward with a graph since the step (a retained graph's next backward runs over the same forwards,
-        an interleaved schedule's, F0 F1 B0 F2 B1, over forwards before the last backward). One more than runs only
-        keeps the group to backward's end."""
+        while it required a gradient (its AccumulateGrad node), with no gradient if it was frozen since. Counted: those
+        that require one now, and those frozen since whose node this backward runs (a retained graph's next backward,
+        an interleaved schedule's F1 F2 B1 F3 B2 with a parameter frozen at F3, a graph kept past a step that did not
+        write its weights). One more than runs only keeps the group to backward's end."""
         if self.grads_left is None:
-            self.grads_left = [sum(p.requires_grad or p in self.required for p in members) for members in self.groups]
+            self.grads_left = [sum(p.requires_grad or p in self.nodes and _will_run(self.nodes[p]) for p in members)
+                               for members in self.groups]
         return self.grads_left
 
     def _free_in_backward(self, g):
@@ -2049,12 +2057,23 @@ class ShardedParameters:
         self.calls_seen = []
 
     def on_backward_end(self):
-        self._free_all()  # prefetched groups included
+        self.after_step()  # free every group, prefetched ones included
         self._new_backward()
 
 
 # a call of a module whose inputs cannot say when backward is done with it (see _watch_inputs)
 _PINNED = "pinned"
+
+
+def _will_run(node):
+    """Whether the backward running will run autograd node `node`. torch refuses the question for the node of a
+    tensor passed to torch.autograd.grad as an input, whose gradient it returns, not accumulates: no."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError as e:
+        if "running autograd.grad()" not in str(e):
+            raise
+        return False
 
 # what code may do with a freed parameter: read or set its metadata, make a new tensor like it
 _METADATA = {"__get__", "__set__", "__hash__", "untyped_storage", "size", "numel", "dim", "stride", "element_size",
