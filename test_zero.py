@@ -2782,7 +2782,18 @@ class ClampsInForward(nn.Linear):
         return super().forward(x)
 
 
-def on_rank_writes_into_parameters_between_steps(stage):
+class RenormsRows(nn.Module):
+    """F.embedding with max_norm writes the rows a forward looks up, renormalised, into the weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 4) * 3)
+
+    def forward(self, idx):
+        return F.embedding(idx, self.weight, max_norm=1.0).sum(1)
+
+
+def on_rank_writes_into_parameters_between_steps(stage, tmp_path):
     """Writes into the parameters between steps, as training code makes them: WGAN's weight
     clipping over model.parameters() and a re-initialisation by model.apply() after
     optimizer.wait_params(), every step, with every rank fed the same batch, so that plain
@@ -2791,7 +2802,10 @@ def on_rank_writes_into_parameters_between_steps(stage):
     which the all-gather in flight overwrote; a parameter given new storage
     (vector_to_parameters), which the step would not update; at stage 3 a write outside the
     forward, where the parameter is a stand-in holding no values, and one inside it (a weight
-    clamped in its module's forward), which reaches the gathered copy and never the shard."""
+    clamped in its module's forward), which reaches the gathered copy and never the shard; at
+    stages 0-2 writes that differ between the ranks (F.embedding's max_norm over each rank's own
+    rows), which would part stage 0's copies and at stages 1-2 keep each row's owner's values,
+    before they reach a checkpoint, the full state or the step."""
     def build():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
@@ -2821,6 +2835,13 @@ def on_rank_writes_into_parameters_between_steps(stage):
 
     problems = []
     if stage < 3:
+        torch.manual_seed(0)
+        model, opt = zero.initialize(RenormsRows(), torch.optim.SGD, stage=stage, lr=0.5)
+        model(torch.tensor([[dist.get_rank()]])).sum().backward()  # rank 0 renormalises row 0, rank 1 row 1
+        refusal = "['weight'] were written in place since the last step, but not the same on every rank"
+        for call in (lambda: zero.full_state_dict(model), opt.step,
+                     lambda: (opt.zero_grad(), zero.save_checkpoint(tmp_path / "c", model, opt))):
+            problems += missed_errors({refusal: call}, RuntimeError)
         plain = build()
         run(plain, torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9), 4, clip_and_reset)
         model, opt = zero.initialize(build(), torch.optim.SGD, stage=stage, lr=0.5, momentum=0.9)
@@ -2849,11 +2870,11 @@ def on_rank_writes_into_parameters_between_steps(stage):
 
 @pytest.mark.xdist_group("world2b")
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_writes_into_parameters_between_steps_are_kept_or_name_the_fix(world, stage):
+def test_writes_into_parameters_between_steps_are_kept_or_name_the_fix(world, stage, tmp_path):
     """At stages 0-2 in fp32 the parameters are the weights the optimizer steps: a write into
     them between steps is trained on, as with torch.optim; a write the all-gather in flight, the
-    step or stage 3's gather would lose raises, naming the fix."""
-    assert world(2).run(on_rank_writes_into_parameters_between_steps, stage) == [[], []]
+    step or stage 3's gather would lose, or one that differs between the ranks, raises, naming the fix."""
+    assert world(2).run(on_rank_writes_into_parameters_between_steps, stage, tmp_path) == [[], []]
 
 
 class ReadsAChildsWeight(nn.Module):
@@ -3630,7 +3651,7 @@ def on_rank_bad_inputs():
             _loss_backward_with_fp16_loss_scaling,
         # max_norm renormalises looked-up rows by writing into the weight in forward: at stage 3 into a gathered
         # copy that is freed, under a 16-bit param_dtype into one the fp32 master overwrites, at stages 1-2 into
-        # rows other ranks own, which the all-gather after step() overwrites
+        # rows other ranks own, which the all-gather after step() overwrites, at stage 0 into this rank's copy alone
         "0 is an nn.Embedding with max_norm=1.0, .* at stage 3 .* max_norm=None": lambda: zero.initialize(
             nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 1)), torch.optim.SGD, stage=3, lr=0.1),
         "emb is an nn.EmbeddingBag with max_norm=2.0, .* param_dtype=torch.bfloat16 .* max_norm=None": lambda: (
@@ -3638,6 +3659,8 @@ def on_rank_bad_inputs():
                             stage=1, param_dtype=torch.bfloat16, lr=0.1)),
         "0 is an nn.Embedding with max_norm=1.0, .* at stage 2 .* other ranks own.* max_norm=None": lambda: (
             zero.initialize(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0)), torch.optim.SGD, stage=2, lr=0.1)),
+        "0 is an nn.Embedding with max_norm=1.0, .* this rank's batch alone: the ranks' copies would part": lambda: (
+            zero.initialize(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0)), torch.optim.SGD, stage=0, lr=0.1)),
     }
     for device in ("cpu", "cpu:0"):  # the module's own device, named either way: nothing to refuse
         zero.initialize(nn.Linear(2, 2), torch.optim.AdamW, stage=1, device=device)

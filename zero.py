@@ -927,6 +927,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError("torch.amp.GradScaler cannot see zero's gradients (p.grad stays None): drop it, pass "
                                "loss_scale=zero.DynamicLossScale(growth_interval=2000, min_scale=0.0) to "
                                "zero.initialize and call optimizer.backward(loss), which scales as GradScaler does")
+        self._refuse_differing_writes()  # (before the versions are recorded anew)
         self._refuse_lost_writes(record=True)
         self._reduce()
         self.gradients.stepped = True  # this step's gradients are used: the next backward needs zero_grad()
@@ -1001,7 +1002,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
                    "at stage 3 a parameter holds this rank's values only as its shard, which such a write misses")
             raise RuntimeError(f"rank {self.partition.rank}: {written[:3]} were written in place since the last "
                                f"step, but {why}: set the values before zero.initialize, restore them with "
-                               f"zero.load_checkpoint, or write them between steps at stages 0-2 without param_dtype")
+                               f"zero.load_checkpoint, or write them between steps, the same on every rank, at "
+                               f"stages 0-2 without param_dtype")
+
+    def _refuse_differing_writes(self):
+        """Where in-place writes are kept (stages 0-2 without param_dtype), every rank must write the same: a flag per
+        parameter some rank wrote since the step (all-reduced), then their values' sums compared (16 bytes each).
+        max_norm (F.embedding's) writes the rows a rank looked up: stage 0's copies would part, and at stages 1-2 the
+        all-gather after step() keeps each row's owner's values."""
+        if self.master is not None or self.parameters.in_own_space:  # (refused apart: see _refuse_lost_writes)
+            return
+        part = self.partition
+        flags = torch.tensor([a != p._version for p, a in zip(part.params, self.versions)], dtype=torch.int32,
+                             device=part.flag_device)
+        part.wait(part.start(dist.all_reduce, flags, op=dist.ReduceOp.MAX))  # (parameters,)
+        written = {self.names[p]: _bit_sum(p.detach()).item() for p, f in zip(part.params, flags.tolist()) if f}
+        differ = _differing(part.group, part.flag_device, written) if written else []
+        if differ:
+            raise RuntimeError(f"rank {part.rank}: {differ[:3]} were written in place since the last step, but not "
+                               f"the same on every rank (F.embedding with max_norm writes the rows each rank looked "
+                               f"up), so the ranks' weights would part: write the same values on every rank, or "
+                               f"scale out of place (max_norm=None)")
 
     def _free_grads(self):
         """The step's gradients are used (or dropped): the next step reduces and clips anew."""
@@ -2530,18 +2551,20 @@ def _check(module, optimizer_class, stage, group, param_groups, bucket_numel, pa
                       f"compute in that layout and the bits may differ from DDP's; pass inputs in channels_last to "
                       f"compute a convolution in it")
     for name, m in module.named_modules():
-        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None and (
-                stage > 0 or param_dtype in (torch.bfloat16, torch.float16)):
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None:
             if stage == 3:
-                where = "at stage 3 into a gathered copy, freed after the forward"
+                where = "at stage 3 into a gathered copy, freed after the forward: the renormalisation would be lost"
             elif param_dtype in (torch.bfloat16, torch.float16):
-                where = f"with param_dtype={param_dtype} into a 16-bit copy the step overwrites from the fp32 master"
+                where = (f"with param_dtype={param_dtype} into a 16-bit copy the step overwrites from the fp32 master: "
+                         f"the renormalisation would be lost")
+            elif stage == 0:
+                where = "the rows of this rank's batch alone: the ranks' copies would part (DDP's do)"
             else:
-                where = f"at stage {stage} into rows other ranks own, which the all-gather after step() overwrites"
+                where = (f"at stage {stage} into rows other ranks own, which the all-gather after step() overwrites: "
+                         f"the renormalisation would be lost")
             raise ValueError(f"{name or 'the module'} is an nn.{type(m).__name__} with max_norm={m.max_norm}, which "
                              f"renormalises looked-up rows by writing into its weight in forward: here it would write "
-                             f"{where}, and the renormalisation would be lost. Build it with max_norm=None (scale the "
-                             f"looked-up rows out of place)")
+                             f"{where}. Build it with max_norm=None (scale the looked-up rows out of place)")
     if param_groups is not None:
         listed = [p for g in param_groups for p in g["params"]]
         if len(listed) != len(set(listed)) or set(listed) - set(params):
@@ -2633,6 +2656,7 @@ def full_state_dict(module):
     A collective. Gathered a bucket at a time: the device holds one bucket more."""
     opt, module = _engine(module)
     _all_ranks_call(opt, "full_state_dict", opt._refuse_lost_writes)
+    opt._refuse_differing_writes()
     # the weights whole: stages 0-2's flat buffer as it is, else the fp32 master or stage 3's shard, gathered
     flat = opt._to_flat("weights") if opt.master is not None or opt.parameters.in_own_space else opt.parameters.flat
     part, state = opt.partition, {}
@@ -2700,6 +2724,7 @@ def save_checkpoint(path, model, optimizer, **extra):
         _refuse_pending_gradients(opt, "save_checkpoint", "they are not saved")
 
     _all_ranks_call(opt, "save_checkpoint", checks)
+    opt._refuse_differing_writes()
     part, group = opt.partition, opt.partition.group
     partial = path.with_name(path.name + ".partial")
     if opt.tp_group:  # each tp slice is saved over a dp group of its own: into one path they would race
