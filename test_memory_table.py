@@ -645,7 +645,8 @@ def test_memory_hooks_kept_by_forward_without_a_recorded_forward_says_so():
 def test_memory_hooks_record_backward_start_of_a_leaf_output_and_none_without_a_graph():
     """A module that returns a leaf (nn.Identity on an input that needs a gradient) has no
     autograd node to hook: its backward start is recorded when the leaf's gradient arrives, the
-    last of this backward. A forward whose output needs no gradient records no backward start."""
+    last of this backward. A forward whose output needs no gradient records no backward start. The
+    root returns the Linear's output: backward reaches both at once, the outer (the root) first."""
     model = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(4, 4))
     memory = zero.MemoryHooks(model)
     memory.recording = True
@@ -655,4 +656,4 @@ def test_memory_hooks_record_backward_start_of_a_leaf_output_and_none_without_a_
     memory.recording = False
     backward = [name for phase, name, *_ in memory.records if phase == "backward start"]
     print(f"backward starts recorded: {backward}")
-    assert backward == ["1", "", "0"], backward
+    assert backward == ["", "1", "0"], backward

@@ -1697,12 +1697,12 @@ def test_stage3_frees_what_it_gathered_ahead_for_units_a_step_skips(world, scale
     it from forward to backward with the head and block 7 (walked in the order forwards started, the
     root came last in backward: its prefetch of nothing freed block 7, which the head had gathered ahead,
     and block 7 was all-gathered twice at step 0; the root's group was all-gathered twice a step). With
-    a head of 5 the root's group and the head fill the window a forward keeps: block 7 is not kept, and
-    the head's backward hook, on the root's output and run before the root's, gathers it ahead; the
-    root's prefetch, one unit back, freed it as outside its window, all-gathered twice a step: only
-    what the walk went by is freed. (In the reversed step backward starts from block 0 and goes by
-    block 7, which the head gathered ahead: it is all-gathered again at its turn.) The weights are
-    DDP's, torch.equal (at world size 2 every order of summation gives the same bits)."""
+    a head of 5 the root's group and the head fill the window a forward keeps: block 7 is not kept.
+    The head's backward hook and the root's sit on one output; run in the order registered, the head's
+    gathered block 7 ahead and the root's prefetch, one unit back, freed it as outside its window: it was
+    all-gathered twice a step. They run outermost first now, as the forwards ended. (In the reversed
+    step backward starts from block 0 and goes by block 7, which the head gathered ahead: it is
+    all-gathered again at its turn.) The weights are DDP's, torch.equal (world size 2)."""
     got = world(2).run(on_rank_units_other_than_the_first_forwards, 3, scaled, outputs)
     want = world(2).run(on_rank_units_other_than_the_first_forwards, "ddp", scaled, outputs)
     peaks, held, started, gathers, twice = got[0][:5]
@@ -1768,9 +1768,11 @@ def test_stage3_walks_a_module_called_twice_from_its_last_call_in_backward(world
     """Backward reaches a module's last call first, so the order backward walks has each module where its
     last call ended: walked from its first, s's backward came before the blocks', its prefetch took a,
     and freed the last block the head had gathered ahead (all-gathered twice at step 0); and the
-    forward's kept tail held the last block, not s, which forward then all-gathered twice a step. Now
-    each module is all-gathered once a backward, and from step 1 once a forward, s kept from its first
-    call for backward. The weights are DDP's, torch.equal (world size 2)."""
+    forward's kept tail held the last block, not s, which forward then all-gathered twice a step. A
+    module's other calls prefetch and free nothing (from s's second call forward freed the head that
+    b.1 had gathered ahead, and from its first call backward freed a). Now each module is all-gathered
+    once a backward, and from step 1 once a forward, s kept from its first call for backward. The
+    weights are DDP's, torch.equal (world size 2)."""
     (log, weights), want = world(2).run(on_rank_reused_module, 3)[0], world(2).run(on_rank_reused_module, "ddp")[0][1]
     print("all-gathered in each forward, backward:", log)
     once = [log[0][1], *log[1], *log[2]]  # (the first forward, learning the order, keeps nothing: s twice)
@@ -2875,6 +2877,40 @@ def test_writes_into_parameters_between_steps_are_kept_or_name_the_fix(world, st
     them between steps is trained on, as with torch.optim; a write the all-gather in flight, the
     step or stage 3's gather would lose, or one that differs between the ranks, raises, naming the fix."""
     assert world(2).run(on_rank_writes_into_parameters_between_steps, stage, tmp_path) == [[], []]
+
+
+def on_rank_differing_writes_in_one_tp_slice(tmp_path):
+    """World 4 as dp 2 x tp 2 (gpt.py's mesh), stage 1: the two data-parallel ranks of tp slice 0 write
+    different values into their weight (a vocab-parallel F.embedding with max_norm writes one slice's
+    rows); full_state_dict and save_checkpoint (each slice into its own directory) must raise on every
+    rank of the mesh, not leave the other slice's ranks waiting for it. Returns the errors' texts."""
+    from gpt import make_mesh
+    dp_group, tp_group = make_mesh(dp=2, tp=2)
+    torch.manual_seed(dist.get_rank(tp_group))  # each slice its own weights
+    model, opt = zero.initialize(nn.Linear(4, 4), torch.optim.SGD, stage=1, group=dp_group, tp_group=tp_group, lr=0.1)
+    opt.wait_params()
+    if dist.get_rank(tp_group) == 0:
+        with torch.no_grad():
+            model.weight[dist.get_rank(dp_group)].zero_()
+    errors = []
+    for call in (lambda: zero.full_state_dict(model),
+                 lambda: zero.save_checkpoint(tmp_path / f"tp{dist.get_rank(tp_group)}", model, opt)):
+        try:
+            call()
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+    return errors
+
+
+@pytest.mark.xdist_group("world4")
+def test_differing_writes_raise_on_every_rank_of_a_dp_tp_mesh(world, tmp_path):
+    """Where one slice's ranks refuse, the other slice's raise too (they would have returned from
+    full_state_dict, and waited in save_checkpoint's exchange of paths over the tp group)."""
+    for rank, errors in enumerate(world(4).run(on_rank_differing_writes_in_one_tp_slice, tmp_path, timeout=60)):
+        print(f"rank {rank}:", [e[:90] if e else e for e in errors])
+        want = "['weight'] were" if rank in (0, 2) else "parameters of another tensor-parallel slice were"
+        assert all(e and f"{want} written in place since the last step, but not the same" in e for e in errors), errors
 
 
 class ReadsAChildsWeight(nn.Module):

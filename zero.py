@@ -114,15 +114,25 @@ def _on_cuda():
 
 def _when_backward_reaches(t, fn):
     """Call fn() when backward reaches the node that made t; for a view, its base's node, since an
-    in-place op on the view (x = self.fc(x); x.relu_()) takes the view's own node out of the graph."""
+    in-place op on the view (x = self.fc(x); x.relu_()) takes the view's own node out of the graph.
+    The calls on one node run last registered first: modules that return one output are reached
+    outermost first (the root returning its head's output, then the head), as their forwards ended."""
     node = (t._base if t._is_view() and t._base.grad_fn is not None else t).grad_fn
     if node is None:  # a leaf, returned as it is (a parameter: the hook outlives this backward, so it goes once called)
         def once(grad):
             handle.remove()
             fn()
         handle = t.register_hook(once)
-    else:
-        node.register_prehook(lambda grad_outputs: fn())
+        return
+    calls = node.metadata.setdefault("zero: when backward reaches", [])  # (the node's own dict: dies with it)
+    if not calls:
+        node.register_prehook(lambda grad_outputs: _call_all(reversed(calls)))
+    calls.append(fn)
+
+
+def _call_all(fns):
+    for fn in fns:
+        fn()
 
 
 class MemoryHooks:
@@ -1018,11 +1028,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         part.wait(part.start(dist.all_reduce, flags, op=dist.ReduceOp.MAX))  # (parameters,)
         written = {self.names[p]: _bit_sum(p.detach()).item() for p, f in zip(part.params, flags.tolist()) if f}
         differ = _differing(part.group, part.flag_device, written) if written else []
-        if differ:
-            raise RuntimeError(f"rank {part.rank}: {differ[:3]} were written in place since the last step, but not "
-                               f"the same on every rank (F.embedding with max_norm writes the rows each rank looked "
-                               f"up), so the ranks' weights would part: write the same values on every rank, or "
-                               f"scale out of place (max_norm=None)")
+        refused = torch.tensor([len(differ)], device=part.flag_device)
+        if self.tp_group:  # where any rank of the (dp, tp) mesh refuses, every rank raises (see _all_ranks_call)
+            dist.all_reduce(refused, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if differ or refused.item():
+            what = differ[:3] if differ else "parameters of another tensor-parallel slice"
+            raise RuntimeError(f"rank {part.rank}: {what} were written in place since the last step, but not the same "
+                               f"on every rank (F.embedding with max_norm writes the rows each rank looked up), so "
+                               f"the ranks' weights would part: write the same values on every rank, or scale out of "
+                               f"place (max_norm=None)")
 
     def _free_grads(self):
         """The step's gradients are used (or dropped): the next step reduces and clips anew."""
@@ -1754,17 +1768,15 @@ class ShardedParameters:
         (layer drop, another expert), a group the pass is done with is not gathered again, one gathered for a skipped
         unit is freed, and backward gathers ahead only what the forwards ran (it reaches nothing else)."""
         k = self.position[step].get(id(gids))
-        if k is None:
+        if k is None or id(gids) in self.visited:  # (a module's other calls: its place is one call's)
             return
+        self.visited.add(id(gids))
         units = [[g for g in unit if g not in self.finished and g not in gids and (step > 0 or g in self.ran)]
                  for unit in self._ahead(k, step)]
         # ahead: what a prefetch gathered and nothing has used since (not a group backward reached and still uses)
         ahead = {g for unit in units for g in unit if g in self.ahead or not self._gathered(g)}
-        # freed: what the walk went by (a skipped unit's), not what lies past this window (gathered by a unit reached
-        # just before, on the same output: a head returned by the root); nor a module running around
-        passed = {g for g in self.ahead if (self.place[step].get(g, k) - k) * step <= 0}
-        self._release(passed.difference(ahead, gids, self.shared))
-        self.ahead = ahead | (self.ahead - passed)
+        self._release(self.ahead.difference(ahead, gids, self.shared))  # (not a module running around)
+        self.ahead = ahead
         for unit in units:
             self._gather(unit, prefetch=True)
 
@@ -1809,7 +1821,7 @@ class ShardedParameters:
             self.calls.clear()
             self._end_forward()
         self._release(self.tail)
-        self.ahead, self.finished = set(), set()  # (also where it stopped between two modules)
+        self.ahead, self.finished, self.visited = set(), set(), set()  # (also where it stopped between two modules)
 
     def _made(self, tensors, before, out):
         """In the first forward, each autograd node a torch function made (F.linear of a 3-d input makes three) that
@@ -1874,7 +1886,7 @@ class ShardedParameters:
         if not self.gradients.in_backward:  # recomputed in backward (P_a): backward frees what its modules held
             kept = set(self._kept()) - self.ahead
             self._release([g for g in range(len(self.groups)) if g not in kept])
-            self.ahead, self.finished = set(), set()
+            self.ahead, self.finished, self.visited = set(), set(), set()
 
     def _learn_order(self):
         """The units' order, from the first forward that ran to its end, and the tail: the groups backward gathers
@@ -1895,15 +1907,12 @@ class ShardedParameters:
     def _forget_order(self):
         """The units in the first forward's order as they first started (forward's, step +1) and as they last ended
         (backward's, step -1, walked from the end: a module around others, the root, ends after them and backward
-        reaches it first). Per order: the units, each unit's position and each group's first; `ends`: every end."""
-        self.order, self.position, self.place = {+1: [], -1: []}, {+1: {}, -1: {}}, {+1: {}, -1: {}}
-        self.ends = []
+        reaches it first). Per order: the units and each unit's position; `ends`: every end, repeats too."""
+        self.order, self.position, self.ends = {+1: [], -1: []}, {+1: {}, -1: {}}, []
 
     def _learn_position(self, gids, step):
         if not self.order_known and id(gids) not in self.position[step]:
             self.position[step][id(gids)] = len(self.order[step])
-            for g in gids:
-                self.place[step].setdefault(g, len(self.order[step]))
             self.order[step].append(gids)
 
     def _kept(self):
@@ -2067,7 +2076,8 @@ class ShardedParameters:
             self.finished.add(g)
 
     def _new_backward(self):
-        self.ahead, self.finished = set(), set()  # groups gathered ahead and not yet used; done with (see _prefetch)
+        # groups gathered ahead and not yet used; done with; the units whose calls prefetched (see _prefetch)
+        self.ahead, self.finished, self.visited = set(), set(), set()
         self.grads_left, self.backward_ran = None, True  # (see _grads_left)
         self.inputs_left = [0] * len(self.groups)  # calls reached whose inputs' gradients are to come
         self.pinned = [False] * len(self.groups)  # kept to the end of backward (see _watch_inputs, _PINNED)
