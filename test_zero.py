@@ -1752,7 +1752,12 @@ def on_rank_reused_module(stage):
         model, opt = zero.initialize(net, torch.optim.SGD, stage=stage, lr=0.1)
         params, start = opt.parameters, opt.parameters._start_gather
         name = {params.group_of[m.weight]: n for n, m in net.named_modules() if isinstance(m, nn.Linear)}
-        params._start_gather = lambda g: (log[-1][opt.gradients.in_backward].append(name[g]), start(g))[1]
+
+        def logged_start(g):  # each all-gather, by module name, into this step's forward or backward list
+            log[-1][opt.gradients.in_backward].append(name[g])
+            return start(g)
+
+        params._start_gather = logged_start
     log = []
     for step in range(3):
         log.append(([], []))

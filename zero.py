@@ -1028,10 +1028,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         part.wait(part.start(dist.all_reduce, flags, op=dist.ReduceOp.MAX))  # (parameters,)
         written = {self.names[p]: _bit_sum(p.detach()).item() for p, f in zip(part.params, flags.tolist()) if f}
         differ = _differing(part.group, part.flag_device, written) if written else []
-        refused = torch.tensor([len(differ)], device=part.flag_device)
+        refused = len(differ)
         if self.tp_group:  # where any rank of the (dp, tp) mesh refuses, every rank raises (see _all_ranks_call)
+            refused = torch.tensor([refused], device=part.flag_device)
             dist.all_reduce(refused, op=dist.ReduceOp.MAX, group=self.tp_group)
-        if differ or refused.item():
+            refused = refused.item()
+        if refused:
             what = differ[:3] if differ else "parameters of another tensor-parallel slice"
             raise RuntimeError(f"rank {part.rank}: {what} were written in place since the last step, but not the same "
                                f"on every rank (F.embedding with max_norm writes the rows each rank looked up), so "
@@ -1896,8 +1898,9 @@ class ShardedParameters:
             return
         if self.reads is None:  # a forward under functional_call or no_grad (see _start_reading): the next learns
             return
-        last_end = {id(gids): i for i, gids in enumerate(self.ends)}  # (a unit called twice: backward reaches the
-        for i, gids in enumerate(self.ends):  # second call first)
+        # backward's order: each unit where its last call ended (backward reaches a unit called twice there first)
+        last_end = {id(gids): i for i, gids in enumerate(self.ends)}
+        for i, gids in enumerate(self.ends):
             if last_end[id(gids)] == i:
                 self._learn_position(gids, -1)
         self.order_known, last = True, len(self.order[-1]) - 1
@@ -2105,6 +2108,7 @@ def _will_run(node):
         if "running autograd.grad()" not in str(e):
             raise
         return False
+
 
 # what code may do with a freed parameter: read or set its metadata, make a new tensor like it
 _METADATA = {"__get__", "__set__", "__hash__", "untyped_storage", "size", "numel", "dim", "stride", "element_size",
