@@ -1022,9 +1022,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         all-gather after step() keeps each row's owner's values."""
         if self.master is not None or self.parameters.in_own_space:  # (refused apart: see _refuse_lost_writes)
             return
-        part = self.partition
-        flags = torch.tensor([a != p._version for p, a in zip(part.params, self.versions)], dtype=torch.int32,
-                             device=part.flag_device)
+        part, mine = self.partition, set(self._written_since_step(record=False))
+        flags = torch.tensor([self.names[p] in mine for p in part.params], dtype=torch.int32, device=part.flag_device)
         part.wait(part.start(dist.all_reduce, flags, op=dist.ReduceOp.MAX))  # (parameters,)
         written = {self.names[p]: _bit_sum(p.detach()).item() for p, f in zip(part.params, flags.tolist()) if f}
         differ = _differing(part.group, part.flag_device, written) if written else []
